@@ -7,15 +7,17 @@ Docs: https://example.invalid/rtrainer/rtrainer/kernels.html.md"""
 # %% auto #0
 __all__ = ['OPS', 'PROJECT_ROOT', 'RESULTS_DIR', 'register_op', 'resolve_impl', 'get_op', 'at_least_fp32', 'rms_norm_reference',
            'add_rms_norm_reference', 'rope_tables', 'rope_reference', 'swiglu_reference', 'embedding_reference',
-           'median_ms', 'git_commit', 'machine_metadata', 'save_results', 'load_results', 'show_results']
+           'start_gradient_step', 'main_grad_for_write', 'mark_main_grad_written', 'accumulate_main_grad',
+           'gradient_fp32', 'median_ms', 'git_commit', 'machine_metadata', 'save_results', 'load_results',
+           'show_results']
 
-# %% ../nbs/01_kernels.ipynb #8d70de33
+# %% ../nbs/01_kernels.ipynb #1c8bbad5
 import datetime, json, math, os, platform, subprocess, warnings
 from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-# %% ../nbs/01_kernels.ipynb #93976d85
+# %% ../nbs/01_kernels.ipynb #407b751b
 OPS: dict = {}  # op name -> {"torch": fn, "triton": fn}
 
 def register_op(name, impl, fn):
@@ -43,7 +45,7 @@ def get_op(name, impl):
         return fns["torch"]
     raise KeyError(f"op {name!r} has no {impl!r} implementation")
 
-# %% ../nbs/01_kernels.ipynb #a26cb103
+# %% ../nbs/01_kernels.ipynb #9e3cc340
 def at_least_fp32(t):
     "t in float32, or in float64 if it already is (so a float64 oracle stays float64)."
     return t.to(torch.promote_types(t.dtype, torch.float32))
@@ -62,7 +64,7 @@ def add_rms_norm_reference(x, residual, weight, eps=1e-5):
 register_op("rms_norm", "torch", rms_norm_reference)
 register_op("add_rms_norm", "torch", add_rms_norm_reference)
 
-# %% ../nbs/01_kernels.ipynb #0efa8df3
+# %% ../nbs/01_kernels.ipynb #1e6d5e82
 def rope_tables(seq_len, head_dim, theta=10000.0, device="cpu"):
     "cos and sin tables, fp32, each (seq_len, head_dim // 2)."
     if head_dim % 2: raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
@@ -79,7 +81,7 @@ def rope_reference(x, cos, sin):
 
 register_op("rope", "torch", rope_reference)
 
-# %% ../nbs/01_kernels.ipynb #320bf955
+# %% ../nbs/01_kernels.ipynb #12f09cf6
 def swiglu_reference(gate_up):
     "silu(gate) * up for gate_up = [gate | up] along the last dim; fp32 arithmetic."
     gate, up = at_least_fp32(gate_up).chunk(2, dim=-1)
@@ -92,7 +94,39 @@ def embedding_reference(ids, weight):
 register_op("swiglu", "torch", swiglu_reference)
 register_op("embedding", "torch", embedding_reference)
 
-# %% ../nbs/01_kernels.ipynb #b04ffbed
+# %% ../nbs/01_kernels.ipynb #ce519e7c
+def start_gradient_step(params):
+    "Mark every fp32 gradient buffer so the next write overwrites it (no zero-fill); clear autograd grads."
+    for p in params:
+        p.main_grad_written = False
+        p.grad = None
+
+def main_grad_for_write(param):
+    "(fp32 buffer, overwrite) for a kernel about to write param's gradient; call `mark_main_grad_written` after."
+    buf = getattr(param, "main_grad", None)
+    if buf is None or buf.shape != param.shape or buf.device != param.device:
+        buf = param.main_grad = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+        param.main_grad_written = False
+    return buf, not getattr(param, "main_grad_written", False)
+
+def mark_main_grad_written(param): param.main_grad_written = True
+
+def accumulate_main_grad(param, grad):
+    "Add `grad` into param's fp32 buffer (overwriting it if this is the step's first write)."
+    buf, overwrite = main_grad_for_write(param)
+    if overwrite: buf.copy_(grad)
+    else: buf.add_(grad)
+    mark_main_grad_written(param)
+
+def gradient_fp32(param):
+    "The step's gradient of `param` in fp32: the kernel-written buffer, else autograd's grad, else None."
+    grads = []
+    if getattr(param, "main_grad_written", False): grads.append(param.main_grad)
+    if param.grad is not None: grads.append(param.grad.float())
+    if not grads: return None
+    return grads[0] if len(grads) == 1 else grads[0] + grads[1]
+
+# %% ../nbs/01_kernels.ipynb #8bbe2c6d
 PROJECT_ROOT = Path(__file__).resolve().parent.parent if "__file__" in globals() else Path.cwd().parent
 RESULTS_DIR = PROJECT_ROOT / "data" / "results"
 
