@@ -7,10 +7,10 @@ Docs: https://example.invalid/rtrainer/rtrainer/cli.html.md"""
 # %% auto #0
 __all__ = ['SUBCOMMANDS', 'USER_ERRORS', 'build_parser', 'main']
 
-# %% ../nbs/09_cli.ipynb #4fc59c85
+# %% ../nbs/09_cli.ipynb #2c74952d
 import argparse, importlib, os, sys
 
-# %% ../nbs/09_cli.ipynb #d4ca6128
+# %% ../nbs/09_cli.ipynb #5f5855b7
 SUBCOMMANDS = {
     # name:      (module,                 help)
     "prepare":   ("rtrainer.tokenization", "turn a text corpus into TOK1 token shards"),
@@ -26,7 +26,7 @@ SUBCOMMANDS = {
     "sweep-arch":("rtrainer.profiling",    "one step's time and memory for one configuration"),
 }
 
-# %% ../nbs/09_cli.ipynb #ea7bde42
+# %% ../nbs/09_cli.ipynb #3a85f4bc
 def _handler_name(name): return name.replace("-", "_")
 
 def build_parser():
@@ -46,7 +46,7 @@ def build_parser():
         p.set_defaults(handler=run)
     return parser
 
-# %% ../nbs/09_cli.ipynb #c1db4b72
+# %% ../nbs/09_cli.ipynb #08dce3be
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, PermissionError, NotADirectoryError,
                IsADirectoryError, KeyError)
 

@@ -1,0 +1,27 @@
+# The two commands the README gives, plus the environment they share.
+# Each target creates .venv and installs rtrainer into it on first use; nothing is installed by hand.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.rtrainer-installed
+
+.PHONY: install data train test
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# the CPU build of torch, pinned: an unpinned torch can pull a multi-GB CUDA build
+	$(BIN)/python -m pip install -q "torch==2.13.0"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+data: $(STAMP)
+	$(BIN)/rtrainer prepare --source python-docs --out data/python-docs
+
+train: $(STAMP)
+	$(BIN)/rtrainer train
+
+test: $(STAMP)
+	bash tests/run_all.sh

@@ -1,0 +1,107 @@
+"bf16 parity of rtrainer.kernels on a CUDA GPU against float64 references, on real-ish shapes: pytest -m cuda tests/test_kernels_gpu.py"
+import pytest, torch
+from rtrainer import kernels as K
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+nan = float("nan")
+bf16 = torch.bfloat16
+OPS = ["rms_norm", "add_rms_norm", "rope", "swiglu", "embedding"]
+
+def test_kernels_compile_not_interpret():
+    assert not K.INTERPRETING, "unset TRITON_INTERPRET for the GPU tests"
+
+@pytest.mark.parametrize("name", OPS)
+def test_op_parity_bf16(name):
+    torch.manual_seed(0)
+    res = K.check_op(name, "cuda", bf16, scale="gpu")
+    assert res["ok"], res
+
+@pytest.mark.parametrize("name", OPS)
+def test_op_parity_fp32(name):
+    torch.manual_seed(1)
+    res = K.check_op(name, "cuda", torch.float32, scale="small", tolerance=1e-5)
+    assert res["ok"], res
+
+@pytest.mark.parametrize("n", [1, 4097, 100_000_007])
+def test_vecadd_poisoned(n):
+    a, b = torch.randn(n, device="cuda", dtype=bf16), torch.randn(n, device="cuda", dtype=bf16)
+    out = torch.full_like(a, nan)
+    K.vecadd(a, b, out=out)
+    K.check_close(f"vecadd {n}", out, a.double() + b.double(), 1e-2)
+
+@pytest.mark.parametrize("shape", [(4096, 3072), (1000, 2048), (333, 8192), (517, 1000)])
+def test_rms_norm_bf16_poisoned(shape):
+    x = torch.randn(*shape, device="cuda", dtype=bf16)
+    r = torch.randn_like(x)
+    w = torch.rand(shape[-1], device="cuda") + 0.5
+    y, _, rstd = K.rms_norm_forward(x, w, out=torch.full_like(x, nan))
+    K.check_close(f"rms_norm {shape}", y, K.rms_norm_reference(x.double(), w.double()), 1e-2)
+    y2, s2, rstd2 = K.rms_norm_forward(x, w, residual=r, out=torch.full_like(x, nan), summed=torch.full_like(x, nan))
+    ref_norm, ref_sum = K.add_rms_norm_reference(x, r, w.double())
+    K.check_close("add_rms_norm summed", s2, ref_sum, 1e-2)
+    K.check_close("add_rms_norm normed", y2, K.rms_norm_reference(ref_sum.double(), w.double()), 1e-2)
+    dy, ds = torch.randn_like(x), torch.randn_like(x)
+    dx, dw = K.rms_norm_backward(dy, s2, w, rstd2, dsummed=ds, dx=torch.full_like(x, nan))
+    sd, wd = s2.double().requires_grad_(), w.double().requires_grad_()
+    K.rms_norm_reference(sd, wd).backward(dy.double())
+    K.check_close("add_rms_norm dx", dx, sd.grad + ds.double(), 1e-2)
+    K.check_close("add_rms_norm dweight", dw, wd.grad, 1e-3)
+    assert dw.dtype == torch.float32
+
+@pytest.mark.parametrize("B,T,H,hd", [(4, 1024, 12, 64), (2, 1024, 16, 128), (3, 77, 5, 10)])
+def test_rope_bf16_qkv_slices(B, T, H, hd):
+    cos, sin = K.rope_tables(T, hd, device="cuda")
+    qkv = torch.randn(B, T, 3 * H, hd, device="cuda", dtype=bf16)
+    for part in range(2):                                     # Q and K, as views of the fused tensor
+        view = qkv[:, :, part * H:(part + 1) * H]
+        out = torch.full(view.shape, nan, device="cuda", dtype=bf16)
+        K.rope_apply(view, cos, sin, out=out)
+        K.check_close(f"rope part {part}", out, K.rope_reference(view.double(), cos.double(), sin.double()), 1e-2)
+        back = K.rope_apply(out, cos, sin, inverse=True, out=torch.full_like(out, nan))
+        K.check_close("rope inverse", back, view, 1e-2)
+    v = qkv[:, :, 2 * H:].clone()
+    K.rope_apply(qkv[:, :, :H], cos, sin, out=qkv[:, :, :H])  # in place leaves V alone
+    assert torch.equal(qkv[:, :, 2 * H:], v)
+
+@pytest.mark.parametrize("rows,ff", [(8192, 1408), (1000, 5632), (77, 45)])
+def test_swiglu_bf16_poisoned(rows, ff):
+    g = torch.randn(rows, 2 * ff, device="cuda", dtype=bf16)
+    out = K.swiglu_forward(g, out=torch.full((rows, ff), nan, device="cuda", dtype=bf16))
+    K.check_close(f"swiglu {rows}x{ff}", out, K.swiglu_reference(g.double()), 1e-2)
+    dy = torch.randn(rows, ff, device="cuda", dtype=bf16)
+    gd = g.double().requires_grad_(); K.swiglu_reference(gd).backward(dy.double())
+    K.check_close("swiglu backward", K.swiglu_backward(dy, g, dgate_up=torch.full_like(g, nan)), gd.grad, 1e-2)
+
+@pytest.mark.parametrize("variant", ["deterministic", "atomic"])
+def test_embedding_bf16_overwrite_and_accumulate(variant):
+    V, D, N = 32004, 768, 16384
+    ids = torch.randint(0, V // 2, (N,), device="cuda"); ids[: N // 4] = 13          # a frequent token; upper half never hit
+    table = torch.randn(V, D, device="cuda", dtype=bf16)
+    out = K.embedding_forward(ids, table, out=torch.full((N, D), nan, device="cuda", dtype=bf16))
+    assert torch.equal(out, table[ids])
+    dy = torch.randn(N, D, device="cuda", dtype=bf16)
+    expected = torch.zeros(V, D, device="cuda", dtype=torch.float64).index_add_(0, ids, dy.double())
+    buf = torch.full((V, D), nan, device="cuda")
+    K.EMBEDDING_BACKWARDS[variant](ids, dy, buf, True)
+    K.check_close(f"embedding {variant} overwrite", buf, expected, 1e-5)
+    assert (buf[V // 2:] == 0).all()
+    K.EMBEDDING_BACKWARDS[variant](ids, dy, buf, False)
+    K.check_close(f"embedding {variant} accumulate", buf, 2 * expected, 1e-5)
+
+def test_embedding_deterministic_is_bitwise_repeatable():
+    differing = K.embedding_run_to_run_differences()
+    print("differing elements:", differing)
+    assert differing["deterministic"] == 0
+
+def test_benchmark_rows_have_figures():
+    rows = K.BENCHMARKS["rms_norm"]["run"]((4096, 3072), bf16, "cuda", False)
+    assert [r["passes"] for r in rows] == ["fwd", "fwd+bwd"]
+    assert all(r["GBps"] > 0 and r["ms"] > 0 for r in rows)
+
+def test_cli_on_gpu(capsys):
+    from rtrainer.cli import main
+    assert main(["doctor"]) == 0
+    assert main(["bench", "ops"]) == 0
+    assert main(["sweep", "rms_norm", "BLOCK_ROWS=1,BLOCK_ROWS=2", "--sizes", "8192x3072"]) == 0
+    out = capsys.readouterr().out
+    assert "compiled (CUDA)" in out and "RMS_NORM_BLOCK_ROWS=2" in out

@@ -1,0 +1,164 @@
+"Training chapter: checkpoints, resume, init-from, non-finite stops, SFT, and the commands' errors."
+import json, hashlib, os, subprocess, sys
+from pathlib import Path
+import pytest, torch
+from rtrainer import training
+from rtrainer.cli import main
+from rtrainer.model import model_config
+from rtrainer.tokenization import prepare_corpus
+from rtrainer.training import (Trainer, TrainConfig, NonFiniteLoss, save_checkpoint, read_checkpoint, load_model_weights)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    out = tmp_path_factory.mktemp("data") / "docs"
+    prepare_corpus("python-docs", [], str(out), progress=False)
+    return str(out)
+
+
+def cfg(tmp_path, **kw):
+    base = dict(data="synthetic", steps=4, batch_size=2, seq_len=16, warmup=1, eval_every=0, out_dir=str(tmp_path / "run"),
+                progress=False, device="cpu")
+    return TrainConfig(**{**base, **kw})
+
+
+def quiet(*a): pass
+
+
+def test_checkpoint_round_trip_is_exact(tmp_path):
+    t = Trainer(cfg(tmp_path, steps=2), model_config("tiny"), log=quiet); t.run()
+    path = tmp_path / "a.safetensors"
+    save_checkpoint(path, t.model, t.optimizer, t.step, t.cfg)
+    tensors, meta = read_checkpoint(path)
+    u = Trainer(cfg(tmp_path, steps=2, seed=5), model_config("tiny", seed=5), log=quiet)
+    load_model_weights(u.model, tensors)
+    u.optimizer.load_state_tensors({k[6:]: v for k, v in tensors.items() if k.startswith("optim.")}, meta["optimizer"]["step_count"])
+    path2 = tmp_path / "b.safetensors"
+    save_checkpoint(path2, u.model, u.optimizer, meta["step"], t.cfg)
+    tensors2, meta2 = read_checkpoint(path2)
+    assert tensors.keys() == tensors2.keys()
+    for k in tensors:
+        if k != "rng.torch_cpu": assert torch.equal(tensors[k], tensors2[k]), k
+    assert meta2["model_config"] == meta["model_config"] and meta2["step"] == meta["step"] == 2
+    assert all(k in meta for k in ["optimizer", "train", "data", "rtrainer_version", "commit"])
+
+
+def test_resume_is_bit_exact_with_accumulation(tmp_path):
+    def run(steps, out, resume=""):
+        t = Trainer(cfg(tmp_path, steps=steps, decay_steps=6, accumulation=2, out_dir=str(tmp_path / out), resume=resume),
+                    model_config("tiny"), log=quiet)
+        t.run(); return t
+    straight, _ = run(6, "s"), run(3, "h")
+    resumed = run(6, "h", resume=str(tmp_path / "h" / "checkpoints"))
+    for a, b in zip(straight.model.parameters(), resumed.model.parameters()): assert torch.equal(a, b)
+    assert resumed.optimizer.step_count == 6
+
+
+def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
+    t = Trainer(cfg(tmp_path, steps=1), model_config("tiny"), log=quiet); t.run()
+    path = tmp_path / "ck.safetensors"
+    save_checkpoint(path, t.model, t.optimizer, 1, t.cfg)
+    before = path.read_bytes()
+    def crash(*a, **k): raise OSError("simulated crash before rename")
+    monkeypatch.setattr(training.os, "replace", crash)
+    with torch.no_grad(): next(t.model.parameters()).add_(1.0)
+    with pytest.raises(OSError, match="simulated"): save_checkpoint(path, t.model, t.optimizer, 2, t.cfg)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    _, meta = read_checkpoint(path); assert meta["step"] == 1
+
+
+def test_non_finite_loss_stops_before_the_step(tmp_path):
+    t = Trainer(cfg(tmp_path, steps=6, checkpoint_every=2), model_config("tiny"), log=quiet)
+    real = t.model.forward
+    def poisoned(ids, targets, mask=None, load_balance_weight=0.0):
+        loss, lm, lb = real(ids, targets, mask, load_balance_weight)
+        if t.step == 3: loss = loss * float("nan"); lm = lm * float("nan")
+        return loss, lm, lb
+    t.model.forward = poisoned
+    with pytest.raises(NonFiniteLoss, match="step 4"): t.run()
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert saved == ["step-00000002.safetensors"]
+    assert t.optimizer.step_count == 3
+
+
+def test_keep_last_k_and_outputs(tmp_path, corpus):
+    t = Trainer(cfg(tmp_path, data=corpus, steps=5, checkpoint_every=1, keep=2, eval_every=5, eval_batches=2, log_every=1),
+                model_config("tiny"), log=quiet)
+    t.run()
+    names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert names == ["step-00000004.safetensors", "step-00000005.safetensors"]
+    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5]
+    assert all(k in rows[0] for k in ["lr", "loss", "grad_norm", "tokens_per_s"])
+    ev = [r for r in rows if "val_loss" in r][0]
+    assert ev["val_ppl"] > 1 and isinstance(ev["sample"], str)
+    assert (tmp_path / "run" / "loss_curve.png").stat().st_size > 1000
+
+
+def test_init_from_reads_and_never_writes(tmp_path):
+    Trainer(cfg(tmp_path, steps=2, out_dir=str(tmp_path / "a")), model_config("tiny"), log=quiet).run()
+    src = tmp_path / "a" / "checkpoints" / "step-00000002.safetensors"
+    digest = hashlib.sha256(src.read_bytes()).hexdigest()
+    t = Trainer(cfg(tmp_path, steps=3, out_dir=str(tmp_path / "b"), init_from=str(src)), model_config("tiny"), log=quiet)
+    assert t.step == 0 and t.optimizer.step_count == 0
+    t.run()
+    assert hashlib.sha256(src.read_bytes()).hexdigest() == digest
+    with pytest.raises(ValueError, match="inside this run's checkpoint folder"):
+        Trainer(cfg(tmp_path, out_dir=str(tmp_path / "a"), init_from=str(src)), model_config("tiny"), log=quiet)
+    u = Trainer(cfg(tmp_path, steps=3, out_dir=str(tmp_path / "c"), init_from=str(src), init_moments=True), model_config("tiny"), log=quiet)
+    assert u.optimizer.step_count == 2
+
+
+def test_shape_mismatch_is_refused_naming_fields(tmp_path):
+    Trainer(cfg(tmp_path, steps=1), model_config("tiny"), log=quiet).run()
+    with pytest.raises(ValueError, match=r"d_model \(checkpoint 64, config 96\)"):
+        Trainer(cfg(tmp_path, steps=2, resume=str(tmp_path / "run" / "checkpoints")), model_config("tiny", d_model=96), log=quiet)
+
+
+def test_sft_trains_on_responses(tmp_path):
+    f = tmp_path / "sft.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt": f"Q: what is {i} plus {i}?\nA: ", "response": f"{2 * i}."}) for i in range(20)))
+    t = Trainer(cfg(tmp_path, steps=3, sft=str(f), batch_size=4), model_config("tiny"), log=quiet)
+    inputs, targets, mask = next(t.micro_batches(0))
+    assert mask.any() and not mask.all()
+    t.run()
+    assert all(r["loss"] == r["loss"] for r in t.history if "loss" in r)
+
+
+def cli(*args):
+    return main([str(a) for a in args])
+
+
+def test_cli_errors(tmp_path, capsys):
+    assert cli("train", "--data", tmp_path / "nothing", "--out-dir", tmp_path / "o", "--no-progress") == 2
+    assert "no manifest.json" in capsys.readouterr().err
+    assert cli("train", "--data", "synthetic", "--resume", "x", "--init-from", "y", "--no-progress") == 2
+    assert "exclusive" in capsys.readouterr().err
+    assert cli("train", "--steps", "0", "--data", "synthetic", "--no-progress") == 2
+    assert "--steps must be positive" in capsys.readouterr().err
+    assert cli("train", "nonexistent-preset", "--data", "synthetic", "--no-progress") == 2
+    assert "unknown model config" in capsys.readouterr().err
+    assert cli("eval", "--checkpoint", tmp_path / "none.safetensors", "--data", tmp_path) == 2
+    assert "no such checkpoint" in capsys.readouterr().err
+
+
+def test_cli_train_eval_generate(tmp_path, corpus, capsys):
+    out = tmp_path / "cli"
+    assert cli("train", "--data", corpus, "--steps", 3, "--batch-size", 2, "--seq-len", 16, "--eval-every", 3,
+               "--eval-batches", 1, "--out-dir", out, "--device", "cpu", "--no-progress") == 0
+    text = capsys.readouterr().out
+    assert "held-out" in text and "checkpoint:" in text
+    assert cli("eval", "--checkpoint", out / "checkpoints", "--data", corpus, "--max-batches", 2, "--device", "cpu") == 0
+    assert "perplexity" in capsys.readouterr().out
+    assert cli("generate", "--checkpoint", out / "checkpoints", "--prompt", "The", "--max-new-tokens", 5, "--device", "cpu") == 0
+    assert capsys.readouterr().out.startswith("The")
+
+
+def test_cli_non_finite_exits_non_zero(tmp_path):
+    r = subprocess.run([sys.executable, "-c", "import sys; from rtrainer.cli import main; sys.exit(main())", "train",
+                        "--data", "synthetic", "--steps", "6", "--lr", "1e30", "--warmup", "0", "--clip", "0",
+                        "--batch-size", "2", "--seq-len", "16", "--out-dir", str(tmp_path / "nan"), "--no-progress", "--device", "cpu"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr
+    assert "non-finite" in r.stderr and "step" in r.stderr
