@@ -14,7 +14,7 @@ __all__ = ['GROUPED_GEMM_BLOCK_M', 'ROW_BLOCK', 'route_tokens', 'load_balance_lo
            'moe_parameter_count', 'naive_moe_loop', 'check_moe_against_loop', 'compare_triton_to_torch',
            'accumulation_gradients', 'benchmark_suite']
 
-# %% ../nbs/03_moe.ipynb #50874891
+# %% ../nbs/03_moe.ipynb #f96e3d64
 import math, os, time
 from dataclasses import dataclass
 import torch
@@ -25,7 +25,7 @@ from .kernels import (register_op, get_op, resolve_impl, at_least_fp32, swiglu_r
                               mark_main_grad_written, start_gradient_step, gradient_fp32, median_ms, save_results, show_results)
 from .matmul import linear_reference    # also registers the "linear" op used by the shared expert
 
-# %% ../nbs/03_moe.ipynb #4eebb2d7
+# %% ../nbs/03_moe.ipynb #38c0083d
 def route_tokens(x, router, top_k):
     "(probs (N, E), top_experts (N, k) int64, top_weights (N, k)): softmax router, top-k, weights renormalized to sum to 1."
     logits = x.to(router.dtype) @ router                       # (N, E) in the router's dtype (fp32 or fp64)
@@ -34,7 +34,7 @@ def route_tokens(x, router, top_k):
     top_weights = top_probs / top_probs.sum(-1, keepdim=True)
     return probs, top_experts, top_weights
 
-# %% ../nbs/03_moe.ipynb #09f785b6
+# %% ../nbs/03_moe.ipynb #ba8202bb
 def load_balance_loss(probs, top_experts):
     "E * sum_e(fraction of assignments to e * mean router probability of e); gradient flows through probs only."
     n_experts = probs.shape[-1]
@@ -48,7 +48,7 @@ def load_balance_weight(step, initial=1e-2, decay_steps=10_000):
     if decay_steps <= 0: raise ValueError(f"load_balance_weight: decay_steps must be positive, got {decay_steps}")
     return initial * max(0.0, 1.0 - step / decay_steps)
 
-# %% ../nbs/03_moe.ipynb #47797a86
+# %% ../nbs/03_moe.ipynb #130e5160
 def expert_capacity(n_tokens, top_k, n_experts, capacity_factor):
     "Slots per expert: ceil(capacity_factor * n_tokens * top_k / n_experts)."
     if capacity_factor <= 0: raise ValueError(f"expert_capacity: capacity_factor must be positive, got {capacity_factor}")
@@ -63,7 +63,7 @@ def capacity_slots(top_experts, n_experts, capacity):
     slot = torch.where(kept, flat * capacity + position, n_experts * capacity)
     return slot, kept
 
-# %% ../nbs/03_moe.ipynb #efe75618
+# %% ../nbs/03_moe.ipynb #45ee31e4
 def expert_swiglu_reference(rows, gate_up, down):
     "SwiGLU expert on rows (R, D) with one expert's gate_up (D, 2FF) and down (FF, D), or batched (E, C, D)."
     return swiglu_reference(rows @ gate_up) @ down
@@ -83,7 +83,7 @@ def capacity_moe_reference(x, top_experts, top_weights, gate_up, down, capacity_
     y = (gathered * top_weights.to(gathered.dtype)[..., None]).sum(1).to(x.dtype)
     return y, 1 - kept.float().mean()
 
-# %% ../nbs/03_moe.ipynb #419df94f
+# %% ../nbs/03_moe.ipynb #4d7f46b1
 def dropless_moe_reference(x, top_experts, top_weights, gate_up, down):
     "(y (N, D), dropped_fraction=0): assignments sorted by expert, each expert run on its whole group."
     N, D = x.shape
@@ -99,7 +99,7 @@ def dropless_moe_reference(x, top_experts, top_weights, gate_up, down):
     y = weighted.new_zeros(N, D).index_add(0, token_of_row, weighted).to(x.dtype)
     return y, x.new_zeros((), dtype=torch.float32)
 
-# %% ../nbs/03_moe.ipynb #ca9705ae
+# %% ../nbs/03_moe.ipynb #7151611e
 GROUPED_GEMM_BLOCK_M = 128   # rows per tile; fixed (not autotuned) because the tile table depends on it
 ROW_BLOCK = 1024             # elements of a row handled per step by the permute / combine kernels
 
@@ -202,7 +202,7 @@ def grouped_gemm_weight_grad_kernel(
     if ACCUMULATE: acc += tl.load(ptrs, mask=mask, other=0.0)
     tl.store(ptrs, acc, mask=mask)
 
-# %% ../nbs/03_moe.ipynb #dc46a908
+# %% ../nbs/03_moe.ipynb #3b9cfb77
 def _tile_offsets(group_starts, group_ends, block_m):
     tiles = (group_ends - group_starts + block_m - 1) // block_m
     return torch.cat([tiles.new_zeros(1), tiles.cumsum(0)]).to(torch.int32)
@@ -247,7 +247,7 @@ def grouped_gemm_reference(rows, weight, group_starts, group_ends):
 register_op("moe_grouped_gemm", "torch", grouped_gemm_reference)
 register_op("moe_grouped_gemm", "triton", grouped_gemm_triton)
 
-# %% ../nbs/03_moe.ipynb #5818863c
+# %% ../nbs/03_moe.ipynb #b782e569
 @triton.jit
 def gather_rows_kernel(
     src_ptr,        # (S, D) source rows
@@ -319,7 +319,7 @@ def combine_rows_triton(src, assignment_rows, weights=None, out_dtype=None):
                                                       TOP_K=top_k, HAS_WEIGHTS=weights is not None, BLOCK_D=block_d)
     return out
 
-# %% ../nbs/03_moe.ipynb #ae7794cc
+# %% ../nbs/03_moe.ipynb #9d759fa4
 @dataclass
 class RoutingPlan:
     "Where each assignment's row lives in the expert buffer (see the chapter for the meaning of each field)."
@@ -420,7 +420,7 @@ def moe_experts_triton(x, top_weights, plan, gate_up, down, block_m=None, write_
     expert_out = GroupedGemm.apply(swiglu(hidden), down, plan.group_starts, plan.group_ends, block_m, write_main_grad)
     return CombineRows.apply(expert_out, top_weights, plan.assignment_rows, plan.row_assignment)
 
-# %% ../nbs/03_moe.ipynb #a3de069a
+# %% ../nbs/03_moe.ipynb #aeacd1c4
 class MoeFeedForward(torch.nn.Module):
     "Top-k mixture of SwiGLU experts (capacity or dropless dispatch) plus an optional shared expert; x (N, D) -> (N, D)."
     def __init__(self, d_model, expert_d_ff, n_experts, top_k, capacity_factor=1.0, dispatch="capacity",
@@ -477,7 +477,7 @@ def moe_parameter_count(d_model, expert_d_ff, n_experts, shared_expert_d_ff=0):
     "Parameters of one MoE layer: router + E experts (gate_up and down) + the shared expert."
     return d_model * n_experts + n_experts * 3 * d_model * expert_d_ff + 3 * d_model * shared_expert_d_ff
 
-# %% ../nbs/03_moe.ipynb #a7ed321e
+# %% ../nbs/03_moe.ipynb #fc2b3610
 def naive_moe_loop(x, layer, capacity=None):
     "(y, load_balance_loss): a float64-friendly per-token loop over `layer`'s weights; capacity=None means dropless."
     E, k = layer.n_experts, layer.top_k
@@ -523,7 +523,7 @@ def check_moe_against_loop(layer, N, seed=0, dtype=torch.float64):
     pairs = [(y, y_loop), (layer.last_stats["load_balance_loss"], lb_loop)] + list(zip(grads, grads_loop))
     return {n: ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item() for n, (a, b) in zip(names, pairs)}
 
-# %% ../nbs/03_moe.ipynb #a00ddb30
+# %% ../nbs/03_moe.ipynb #e21a7086
 def compare_triton_to_torch(d_model, expert_d_ff, n_experts, top_k, N, dispatch, capacity_factor=1.0, shared_expert_d_ff=0,
                             dtype=torch.float32, device="cpu", block_m=None, seed=0):
     "Relative errors (float64 torch layer as the oracle) of the Triton layer's output and every gradient, same weights."
@@ -550,7 +550,7 @@ def compare_triton_to_torch(d_model, expert_d_ff, n_experts, top_k, N, dispatch,
         errors[name] = rel(gradient_fp32(p), p64.grad)
     return errors
 
-# %% ../nbs/03_moe.ipynb #3f1d08cb
+# %% ../nbs/03_moe.ipynb #8c7954e5
 def accumulation_gradients(layer, sequences, probe, micro_batch):
     "(lm-like gradient, load-balance gradient) of the router, averaged over micro-batches of `micro_batch` sequences."
     n_micro = sequences.shape[0] // micro_batch
@@ -562,7 +562,7 @@ def accumulation_gradients(layer, sequences, probe, micro_batch):
         lb_grad += torch.autograd.grad(layer.last_stats["load_balance_loss"], layer.router)[0] / n_micro
     return lm_grad, lb_grad
 
-# %% ../nbs/03_moe.ipynb #bb944da2
+# %% ../nbs/03_moe.ipynb #6321fe07
 _T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}   # Student t, 95% two-sided
 
 def _moe_layer_step(layer, x, grad_y, params):

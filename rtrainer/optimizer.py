@@ -6,13 +6,14 @@ Docs: https://example.invalid/rtrainer/rtrainer/optimizer.html.md"""
 
 # %% auto #0
 __all__ = ['PRECISIONS', 'CLIP_EPS', 'ADAMW_BLOCK_SIZE', 'ADAMW_CHUNK_SIZE', 'ADAMW_NUM_WARPS', 'ALIGNMENT_BYTES',
-           'parameter_kind', 'policy_dtype', 'apply_precision_policy', 'fp32_scalar', 'adamw_scalars',
-           'adamw_update_reference', 'adamw_update_all_reference', 'grad_norm_reference', 'AdamW', 'clip_coefficient',
-           'clip_grad_norm', 'warmup_cosine', 'constant', 'fp32_to_bf16_nearest_even', 'adamw_multi_tensor_kernel',
+           'BENCHMARK_MATRICES', 'BENCHMARK_MATRIX', 'BENCHMARK_QUICK_MATRIX', 'parameter_kind', 'policy_dtype',
+           'apply_precision_policy', 'fp32_scalar', 'adamw_scalars', 'adamw_update_reference',
+           'adamw_update_all_reference', 'grad_norm_reference', 'AdamW', 'clip_coefficient', 'clip_grad_norm',
+           'warmup_cosine', 'constant', 'fp32_to_bf16_nearest_even', 'adamw_block', 'adamw_multi_tensor_kernel',
            'sum_of_squares_multi_tensor_kernel', 'kernels_can_run', 'chunk_plan', 'fused_adamw_update',
            'fused_grad_norm', 'random_adamw_work', 'clone_work', 'compare_work', 'benchmark_suite']
 
-# %% ../nbs/04_optimizer.ipynb #6bb156e1
+# %% ../nbs/04_optimizer.ipynb #e6c7ba61
 import math, os, struct
 import torch
 import triton
@@ -20,7 +21,7 @@ import triton.language as tl
 from .kernels import (get_op, register_op, resolve_impl, start_gradient_step, gradient_fp32,
                               median_ms, save_results, show_results, machine_metadata)
 
-# %% ../nbs/04_optimizer.ipynb #1d9994f2
+# %% ../nbs/04_optimizer.ipynb #140c4948
 PRECISIONS = ("bf16", "fp32")
 
 def parameter_kind(name):
@@ -41,7 +42,7 @@ def apply_precision_policy(model, precision):
         param.data = param.data.to(policy_dtype(name, precision))
     return model
 
-# %% ../nbs/04_optimizer.ipynb #cdf7455a
+# %% ../nbs/04_optimizer.ipynb #516bfc21
 def fp32_scalar(x):
     "The Python float `x` rounded to the nearest fp32 value (so every backend multiplies by the same number)."
     return struct.unpack("f", struct.pack("f", float(x)))[0]
@@ -82,7 +83,7 @@ def grad_norm_reference(grads):
 register_op("adamw_update_all", "torch", adamw_update_all_reference)
 register_op("grad_norm", "torch", grad_norm_reference)
 
-# %% ../nbs/04_optimizer.ipynb #c32383d6
+# %% ../nbs/04_optimizer.ipynb #526b9eff
 class AdamW:
     "AdamW of the precision policy: fp32 moments, fp32 math on widened masters, decoupled decay on matrices."
     def __init__(self, named_parameters, lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, impl="torch"):
@@ -170,7 +171,7 @@ class AdamW:
         return dict(lr=self.lr, betas=list(self.betas), eps=self.eps, weight_decay=self.weight_decay,
                     step_count=self.step_count, impl=self.impl)
 
-# %% ../nbs/04_optimizer.ipynb #c655f790
+# %% ../nbs/04_optimizer.ipynb #8dd46f22
 CLIP_EPS = 1e-6
 
 def clip_coefficient(norm, max_norm):
@@ -183,7 +184,7 @@ def clip_grad_norm(optimizer, max_norm):
     norm = float(optimizer.grad_norm())
     return norm, clip_coefficient(norm, max_norm)
 
-# %% ../nbs/04_optimizer.ipynb #df1aba4d
+# %% ../nbs/04_optimizer.ipynb #8d6e58a9
 def warmup_cosine(step, peak_lr, warmup_steps, total_steps, floor=0.1):
     "Linear warmup to `peak_lr` over `warmup_steps`, cosine decay to `floor * peak_lr` at `total_steps`, held after."
     if step < 0 or warmup_steps < 0 or total_steps < warmup_steps or not 0 <= floor <= 1:
@@ -200,7 +201,7 @@ def constant(step, lr):
     if step < 0: raise ValueError(f"constant: step must be >= 0, got {step}")
     return lr
 
-# %% ../nbs/04_optimizer.ipynb #5a945171
+# %% ../nbs/04_optimizer.ipynb #89aa4fc9
 ADAMW_BLOCK_SIZE = 1024     # elements one program handles per loop iteration
 ADAMW_CHUNK_SIZE = 65536    # elements per program (a multiple of ADAMW_BLOCK_SIZE); chunks never cross tensors
 ADAMW_NUM_WARPS = 4         # warps per program
@@ -213,6 +214,25 @@ def fp32_to_bf16_nearest_even(x):
     bits = bits + ((bits >> 16) & 1) + 0x7FFF            # add half an ulp of bf16, plus one if the kept lsb is odd
     rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return tl.where(x != x, x.to(tl.bfloat16), rounded)
+
+@triton.jit
+def adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, offsets, limit, decay,
+                lr, lr_weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2,
+                inv_bias_correction1, inv_bias_correction2, eps, grad_scale, PARAM_IS_BF16: tl.constexpr):
+    "AdamW on the elements `offsets` < `limit` of one tensor: the reference's fp32 operations in the reference's order."
+    mask = offsets < limit
+    g = tl.load(grad_ptr + offsets, mask=mask) * grad_scale                              # read 4 B
+    m = tl.load(exp_avg_ptr + offsets, mask=mask) * beta1 + g * one_minus_beta1          # read 4 B
+    v = tl.load(exp_avg_sq_ptr + offsets, mask=mask) * beta2 + (g * g) * one_minus_beta2 # read 4 B
+    tl.store(exp_avg_ptr + offsets, m, mask=mask)                                       # write 4 B
+    tl.store(exp_avg_sq_ptr + offsets, v, mask=mask)                                    # write 4 B
+    m_hat = m * inv_bias_correction1
+    v_hat = v * inv_bias_correction2
+    master = tl.load(param_ptr + offsets, mask=mask).to(tl.float32)                     # read 2 B (bf16) or 4 B
+    if decay != 0: master = master - master * lr_weight_decay
+    master = master - tl.div_rn(m_hat, tl.sqrt_rn(v_hat) + eps) * lr
+    if PARAM_IS_BF16: tl.store(param_ptr + offsets, fp32_to_bf16_nearest_even(master), mask=mask)  # write 2 B
+    else: tl.store(param_ptr + offsets, master, mask=mask)                                         # write 4 B
 
 @triton.jit
 def adamw_multi_tensor_kernel(
@@ -231,6 +251,7 @@ def adamw_multi_tensor_kernel(
     tensor = tl.load(chunk_tensors + chunk)
     start = tl.load(chunk_indices + chunk) * CHUNK_SIZE
     end = tl.minimum(start + CHUNK_SIZE, tl.load(numels + tensor))
+    full_end = start + (end - start) // BLOCK_SIZE * BLOCK_SIZE      # a multiple of BLOCK_SIZE: full blocks stay vectorizable
     decay = tl.load(decays + tensor)
     if PARAM_IS_BF16: param_ptr = tl.load(param_addresses + tensor).to(tl.pointer_type(tl.bfloat16))
     else: param_ptr = tl.load(param_addresses + tensor).to(tl.pointer_type(tl.float32))
@@ -242,21 +263,14 @@ def adamw_multi_tensor_kernel(
         grad_ptr = tl.multiple_of(grad_ptr, 16)
         exp_avg_ptr = tl.multiple_of(exp_avg_ptr, 16)
         exp_avg_sq_ptr = tl.multiple_of(exp_avg_sq_ptr, 16)
-    for block_start in range(start, end, BLOCK_SIZE):
-        offsets = block_start + tl.arange(0, BLOCK_SIZE)
-        mask = offsets < end
-        g = tl.load(grad_ptr + offsets, mask=mask) * grad_scale                      # read 4 B
-        m = tl.load(exp_avg_ptr + offsets, mask=mask) * beta1 + g * one_minus_beta1  # read 4 B
-        v = tl.load(exp_avg_sq_ptr + offsets, mask=mask) * beta2 + (g * g) * one_minus_beta2  # read 4 B
-        tl.store(exp_avg_ptr + offsets, m, mask=mask)                               # write 4 B
-        tl.store(exp_avg_sq_ptr + offsets, v, mask=mask)                            # write 4 B
-        m_hat = m * inv_bias_correction1
-        v_hat = v * inv_bias_correction2
-        master = tl.load(param_ptr + offsets, mask=mask).to(tl.float32)             # read 2 B (bf16) or 4 B
-        if decay != 0: master = master - master * lr_weight_decay
-        master = master - tl.div_rn(m_hat, tl.sqrt_rn(v_hat) + eps) * lr
-        if PARAM_IS_BF16: tl.store(param_ptr + offsets, fp32_to_bf16_nearest_even(master), mask=mask)  # write 2 B
-        else: tl.store(param_ptr + offsets, master, mask=mask)                                         # write 4 B
+    for block_start in range(start, full_end, BLOCK_SIZE):            # full blocks
+        adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, block_start + tl.arange(0, BLOCK_SIZE), full_end, decay,
+                    lr, lr_weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2,
+                    inv_bias_correction1, inv_bias_correction2, eps, grad_scale, PARAM_IS_BF16)
+    if full_end < end:                                                # the tensor's ragged tail, masked
+        adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, full_end + tl.arange(0, BLOCK_SIZE), end, decay,
+                    lr, lr_weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2,
+                    inv_bias_correction1, inv_bias_correction2, eps, grad_scale, PARAM_IS_BF16)
 
 @triton.jit
 def sum_of_squares_multi_tensor_kernel(
@@ -279,7 +293,7 @@ def sum_of_squares_multi_tensor_kernel(
         acc += g * g
     tl.store(partial_sums + chunk, tl.sum(acc, axis=0))
 
-# %% ../nbs/04_optimizer.ipynb #0538d9bd
+# %% ../nbs/04_optimizer.ipynb #c0f47a7d
 def kernels_can_run(device):
     "True when Triton kernels can run on `device`: a CUDA device, or any device under TRITON_INTERPRET=1."
     return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
@@ -354,7 +368,7 @@ def fused_grad_norm(grads):
 register_op("adamw_update_all", "triton", fused_adamw_update)
 register_op("grad_norm", "triton", fused_grad_norm)
 
-# %% ../nbs/04_optimizer.ipynb #51ef8cc1
+# %% ../nbs/04_optimizer.ipynb #85526f6b
 def random_adamw_work(specs, device, seed=0):
     "Random (param, grad, exp_avg, exp_avg_sq, decay) for each (shape, dtype, decay) of `specs`; never zeros."
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -376,12 +390,16 @@ def compare_work(got, expected):
             worst_ulps = max(worst_ulps, ((x.double() - y.double()).abs() / ulp).max().item())
     return differ, worst_ulps
 
-# %% ../nbs/04_optimizer.ipynb #29d1dfbd
+# %% ../nbs/04_optimizer.ipynb #de899052
+BENCHMARK_MATRICES = 24              # bf16 matrices (each with an fp32 norm vector of its width) in the benchmark state
+BENCHMARK_MATRIX = (4096, 1024)      # 24 x 4M = 100.7M bf16 parameters, 2.4 GB moved per step
+BENCHMARK_QUICK_MATRIX = (2048, 1024)
+
 def benchmark_suite(quick=False, save=True):
     "GPU: the optimizer step and gradient norm at ~100M parameters (10M if quick), in GB/s vs the copy ceiling; saves results 'optimizer'."
     if not torch.cuda.is_available(): raise ValueError("benchmark_suite needs a CUDA GPU")
     device = "cuda"
-    n_matrices, rows, cols = (4, 2048, 1024) if quick else (24, 4096, 1024)
+    n_matrices, (rows, cols) = (4, BENCHMARK_QUICK_MATRIX) if quick else (BENCHMARK_MATRICES, BENCHMARK_MATRIX)
     specs = [((rows, cols), torch.bfloat16, True)] * n_matrices + [((cols,), torch.float32, False)] * n_matrices
     work = random_adamw_work(specs, device, seed=0)
     n_params = sum(w[0].numel() for w in work)
@@ -394,11 +412,11 @@ def benchmark_suite(quick=False, save=True):
     s = adamw_scalars(1e-6, 0.9, 0.999, 1e-8, 0.1, step=10)
 
     params = [torch.nn.Parameter(w[0], requires_grad=False) for w in work]
+    for p, w in zip(params, work): p.main_grad, p.main_grad_written = w[1], True     # gradients as kernels leave them
     names = [f"blocks.{i}.{'norm' if w[0].ndim == 1 else 'ffn'}.weight" for i, w in enumerate(work)]
     optimizers = {}
     for impl in ("triton", "torch"):
         opt = optimizers[impl] = AdamW(zip(names, params), lr=1e-6, impl=impl)
-        for p, w in zip(params, work): p.grad = w[1]
         for i, w in enumerate(work): opt.exp_avg[names[i]], opt.exp_avg_sq[names[i]] = w[2], w[3]
     compiled_update = torch.compile(adamw_update_all_reference)
     import time

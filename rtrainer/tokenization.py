@@ -16,7 +16,7 @@ __all__ = ['EOT_ID', 'VOCAB_SIZE', 'VOCAB_FILE_NAME', 'VOCAB_SHA256', 'PYTHON_DO
            'format_summary', 'TokenFile', 'supervised_batch', 'load_sft_jsonl', 'add_prepare_arguments', 'run_prepare',
            'benchmark_prepare_speed']
 
-# %% ../nbs/00_tokenization.ipynb #06f6ca31
+# %% ../nbs/00_tokenization.ipynb #9833ec41
 import argparse, array, datetime, fnmatch, functools, hashlib, importlib, importlib.resources, inspect, itertools
 import json, math, os, platform, re, statistics, struct, subprocess, sys, tempfile, time, warnings, zlib
 from collections import deque
@@ -33,7 +33,7 @@ import torch
 from tiktoken_ext.openai_public import r50k_pat_str
 from tqdm import tqdm
 
-# %% ../nbs/00_tokenization.ipynb #e5d23386
+# %% ../nbs/00_tokenization.ipynb #a09a476c
 EOT_ID = 50256            # id of <|endoftext|>, appended after every document
 VOCAB_SIZE = 50257        # r50k_base: 50,256 byte-pair ranks + <|endoftext|>
 VOCAB_FILE_NAME = "r50k_base.tiktoken"
@@ -55,7 +55,7 @@ def get_tokenizer() -> tiktoken.Encoding:
     return tiktoken.Encoding(name="r50k_base", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": EOT_ID}, explicit_n_vocab=VOCAB_SIZE)
 
-# %% ../nbs/00_tokenization.ipynb #4cfab6ec
+# %% ../nbs/00_tokenization.ipynb #f8464623
 PYTHON_DOCS_MODULES = tuple(sorted("""
 abc argparse ast asyncio base64 bdb bisect calendar cmd code codecs codeop collections colorsys compileall
 concurrent.futures configparser contextlib contextvars copy copyreg csv dataclasses datetime decimal difflib dis
@@ -108,7 +108,7 @@ def python_docs_documents() -> Iterator[str]:
         try: yield module_document(module_name)
         except ImportError: continue  # a stripped-down Python without this module: the corpus is just smaller
 
-# %% ../nbs/00_tokenization.ipynb #31e93021
+# %% ../nbs/00_tokenization.ipynb #5959174f
 PARQUET_BATCH_ROWS = 1024     # parquet rows decoded at a time (about 4 MB of Wikipedia text)
 INPUT_SUFFIXES = {"parquet": (".parquet",), "wiki": (".parquet",), "jsonl": (".jsonl",), "text": (".txt",)}
 
@@ -175,7 +175,7 @@ def parquet_documents(paths: Iterable[Path | str], text_field: str = "text") -> 
                 yield from batch.column(0).to_pylist()
         finally: parquet.close()
 
-# %% ../nbs/00_tokenization.ipynb #ea69c399
+# %% ../nbs/00_tokenization.ipynb #122feee3
 WIKI_REPO = "wikimedia/wikipedia"
 WIKI_CONFIG = "20231101.en"
 
@@ -203,7 +203,7 @@ def wiki_parquet_files(limit_files: int | None = None) -> tuple[Iterator[str], l
     names = names[:limit_files]
     return (hub.hf_hub_download(WIKI_REPO, name, repo_type="dataset") for name in names), names
 
-# %% ../nbs/00_tokenization.ipynb #fd20378f
+# %% ../nbs/00_tokenization.ipynb #05b2e763
 SOURCES = ("wiki", "parquet", "jsonl", "text", "python-docs")
 
 def open_source(source: str, inputs: Iterable[str | Path] = (), text_field: str = "text",
@@ -231,7 +231,7 @@ def open_source(source: str, inputs: Iterable[str | Path] = (), text_field: str 
     documents = (text for text in documents if text)
     return (itertools.islice(documents, limit_articles) if limit_articles is not None else documents), names
 
-# %% ../nbs/00_tokenization.ipynb #2c00ea7a
+# %% ../nbs/00_tokenization.ipynb #6a99fed7
 ENCODE_TASK_CHARS = 1 << 16          # characters of text per worker task (about 16K tokens)
 TASKS_AHEAD_PER_WORKER = 4           # tasks kept queued per worker, so a worker never waits for the main thread
 TOKEN_DTYPE = np.dtype("<u2")        # token ids on disk: little-endian uint16
@@ -241,11 +241,11 @@ def default_workers() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 def _encode_task(texts: list[str]) -> np.ndarray:
-    encoding, packed = get_tokenizer(), array.array("H")
+    encoding, packed = get_tokenizer(), array.array("I")   # extending a 32-bit array from a list is 3x faster than a 16-bit one
     for text in texts:
         packed.extend(encoding.encode_ordinary(text))
         packed.append(EOT_ID)
-    return np.frombuffer(packed, dtype=TOKEN_DTYPE)
+    return np.frombuffer(packed, dtype=np.uintc).astype(TOKEN_DTYPE)
 
 def _tasks(documents: Iterable[str], task_chars: int) -> Iterator[list[str]]:
     task, chars = [], 0
@@ -275,7 +275,7 @@ def encode_documents(documents: Iterable[str], workers: int | None = None,
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
-# %% ../nbs/00_tokenization.ipynb #67e44660
+# %% ../nbs/00_tokenization.ipynb #ead84a9a
 MAGIC = b"TOK1"
 FORMAT_VERSION = 1
 TOKEN_BYTES = 2
@@ -317,7 +317,7 @@ def payload_crc32(path: str | Path) -> int:
         while block := f.read(READ_BLOCK_BYTES): crc = zlib.crc32(block, crc)
     return crc
 
-# %% ../nbs/00_tokenization.ipynb #af795913
+# %% ../nbs/00_tokenization.ipynb #9f467d2f
 def _fsync_folder(folder: Path):
     try: fd = os.open(folder, os.O_RDONLY)
     except OSError: return  # some platforms cannot open a folder; the rename is still atomic
@@ -364,7 +364,7 @@ class ShardWriter:
         if not self.file.closed: self.file.close()
         self.temp_path.unlink(missing_ok=True)
 
-# %% ../nbs/00_tokenization.ipynb #6f670c52
+# %% ../nbs/00_tokenization.ipynb #f5e13533
 DEFAULT_VAL_TOKENS = 10_000_000
 DEFAULT_SHARD_TOKENS = 250_000_000
 SMALL_CORPUS_VAL_FRACTION = 10       # a corpus of at most val_tokens tokens gives 1/10 of itself to validation
@@ -456,7 +456,7 @@ def write_token_shards(documents: Iterable[str], out_dir: str | Path, name: str,
     return {"documents": document_count, "tokens": token_count, "val_tokens": val,
             "train_tokens": token_count - val, "shards": shards}
 
-# %% ../nbs/00_tokenization.ipynb #21a26c90
+# %% ../nbs/00_tokenization.ipynb #e9e3d31b
 MANIFEST_NAME = "manifest.json"
 _NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -538,7 +538,7 @@ def format_summary(manifest: dict, out_dir: Path, seconds: float, kept: int = 0)
         .replace(", ", ", ..., " if len(shards) > 3 else ", "),
         f"time        {seconds:.2f} s, {manifest['tokens'] / max(seconds, 1e-9):,.0f} tokens/s"])
 
-# %% ../nbs/00_tokenization.ipynb #6f2c8324
+# %% ../nbs/00_tokenization.ipynb #d8b80ad2
 IGNORE_INDEX = -100      # target value for positions past the end of a chunk (cross_entropy's default ignore_index)
 
 def _check_split(rank: int, world_size: int):
@@ -610,7 +610,7 @@ class TokenFile:
             targets[row, :len(piece) - 1] = piece[1:]
         return inputs, targets
 
-# %% ../nbs/00_tokenization.ipynb #15c579df
+# %% ../nbs/00_tokenization.ipynb #1c25ec0a
 def supervised_batch(pairs: list[tuple[list[int], list[int]]], pad_id: int = EOT_ID) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     "Inputs, targets (B x L, int64) and a loss mask (True where the target is a response token) for (prompt, response) pairs."
     if not pairs: raise ValueError("supervised_batch needs at least one (prompt, response) pair")
@@ -649,7 +649,7 @@ def load_sft_jsonl(path: str | Path) -> list[tuple[list[int], list[int]]]:
     if not pairs: raise ValueError(f"{path}: no examples in this file")
     return pairs
 
-# %% ../nbs/00_tokenization.ipynb #2f92c774
+# %% ../nbs/00_tokenization.ipynb #3b9c3871
 def add_prepare_arguments(parser: argparse.ArgumentParser):
     "Declare the flags of `rtrainer prepare`."
     parser.add_argument("--source", choices=SOURCES, default="python-docs",
@@ -674,7 +674,7 @@ def run_prepare(args: argparse.Namespace) -> int:
                    workers=args.workers, text_field=args.text_field, progress=True)
     return 0
 
-# %% ../nbs/00_tokenization.ipynb #56cd1646
+# %% ../nbs/00_tokenization.ipynb #9f3f0048
 _T_QUANTILE_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
                    10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 19: 2.093, 29: 2.045}
 
@@ -688,9 +688,12 @@ def _mean_interval(values: list[float]) -> tuple[float, float, float]:
     return mean, mean - half, mean + half
 
 def _git_commit() -> str:
+    "The short commit of the working tree, with '-dirty' if it has changes; 'uncommitted' outside a repository."
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "uncommitted"
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        if head.returncode != 0 or not head.stdout.strip(): return "uncommitted"
+        status = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, timeout=30)
+        return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError): return "uncommitted"
 
 def _naive_prepare(documents: list[str], path: Path, workers: int, batch_chars: int = 1 << 20) -> int:
@@ -710,39 +713,39 @@ def benchmark_prepare_speed(workers: Iterable[int] = (1, 2), rounds: int = 5, re
     documents = [d for d in python_docs_documents()] * repeat
     encoding = get_tokenizer()
     token_count = sum(len(ids) + 1 for ids in encoding.encode_ordinary_batch(documents))
-    rows = []
+    rows, load_before = [], os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="rtrainer-bench-") as scratch:
         scratch = Path(scratch)
         corpus = scratch / "corpus.parquet"
         pq.write_table(pa.table({"id": [str(i) for i in range(len(documents))], "url": [""] * len(documents),
                                  "title": [""] * len(documents), "text": documents}), corpus, row_group_size=256)
+        arms = {"encode": lambda w: encoding.encode_ordinary_batch(documents, num_threads=w),
+                "prepare": lambda w: prepare_corpus("parquet", [corpus], scratch / "out", name="bench", workers=w, progress=False),
+                "naive": lambda w: _naive_prepare(documents, scratch / "naive.tok", w)}
+        if not naive: del arms["naive"]
         for w in workers:
-            times = {"encode": [], "prepare": [], "naive": []}
+            wall, cpu = {arm: [] for arm in arms}, {arm: [] for arm in arms}
             for round_index in range(rounds):
-                start = time.perf_counter(); encoding.encode_ordinary_batch(documents, num_threads=w)
-                times["encode"].append(time.perf_counter() - start)
-                start = time.perf_counter()
-                manifest = prepare_corpus("parquet", [corpus], scratch / "out", name="bench", workers=w, progress=False)
-                times["prepare"].append(time.perf_counter() - start)
-                assert manifest["tokens"] == token_count
-                if naive:
-                    start = time.perf_counter(); assert _naive_prepare(documents, scratch / "naive.tok", w) == token_count
-                    times["naive"].append(time.perf_counter() - start)
+                for arm, run in arms.items():
+                    start, start_cpu = time.perf_counter(), time.process_time()
+                    run(w)
+                    wall[arm].append(time.perf_counter() - start); cpu[arm].append(time.process_time() - start_cpu)
             row = {"workers": w}
-            for arm, seconds in times.items():
-                if not seconds: continue
-                rates = [token_count / s for s in seconds]
+            for arm in arms:
+                rates = [token_count / s for s in wall[arm]]
                 row[f"{arm}_tokens_per_s"] = round(statistics.fmean(rates))
                 row[f"{arm}_spread"] = round(statistics.stdev(rates)) if len(rates) > 1 else 0
+                row[f"{arm}_cpu_ns_per_token"] = round(statistics.fmean(cpu[arm]) / token_count * 1e9, 1)
                 if arm != "encode":
-                    mean, low, high = _mean_interval([e / s for e, s in zip(times["encode"], seconds)])
+                    mean, low, high = _mean_interval([e / s for e, s in zip(wall["encode"], wall[arm])])
                     row[f"{arm}_ratio"], row[f"{arm}_ratio_ci95"] = round(mean, 3), [round(low, 3), round(high, 3)]
             rows.append(row)
+        assert prepare_corpus("parquet", [corpus], scratch / "out", name="bench", progress=False)["tokens"] == token_count
     result = {"date": datetime.date.today().isoformat(), "machine": machine or f"{default_workers()}-core {platform.machine()}",
               "cpu_count": default_workers(), "python": platform.python_version(), "tiktoken": tiktoken.__version__,
               "numpy": np.__version__, "pyarrow": pa.__version__, "commit": _git_commit(),
               "corpus": f"python-docs x{repeat} as parquet: {len(documents):,} documents, {token_count:,} tokens",
-              "rounds": rounds, "rows": rows}
+              "rounds": rounds, "load_average_1min": [round(load_before[0], 2), round(os.getloadavg()[0], 2)], "rows": rows}
     if out_path is not None:
         out_path = Path(out_path); out_path.parent.mkdir(parents=True, exist_ok=True)
         runs = json.loads(out_path.read_text()).get("runs", {}) if out_path.exists() else {}

@@ -12,7 +12,7 @@ __all__ = ['BUNDLED_DATA', 'CHECKPOINT_FORMAT', 'SHAPE_FIELDS', 'DATASHEET_PEAK_
            'model_config_from_args', 'ensure_bundled_data', 'run_train', 'add_eval_arguments', 'run_eval',
            'add_generate_arguments', 'run_generate']
 
-# %% ../nbs/06_training.ipynb #22a697d9
+# %% ../nbs/06_training.ipynb #63158942
 import argparse, dataclasses, json, math, os, sys, time
 from dataclasses import dataclass, asdict, field
 from pathlib import Path
@@ -29,7 +29,7 @@ from .moe import load_balance_weight
 from .optimizer import AdamW, clip_coefficient, warmup_cosine
 from .model import ModelConfig, TransformerLm, model_config, flops_per_token, parameter_counts, generate
 
-# %% ../nbs/06_training.ipynb #4c79f3a7
+# %% ../nbs/06_training.ipynb #d8968e40
 BUNDLED_DATA = "data/python-docs"
 
 @dataclass
@@ -37,12 +37,12 @@ class TrainConfig:
     "A training run's settings (the model's shape is in ModelConfig)."
     model: str = "tiny"               # preset name or JSON file
     data: str = BUNDLED_DATA          # folder of TOK1 shards with manifest.json, or "synthetic"
-    steps: int = 400                  # optimizer steps in total (a resumed run continues to this step)
-    batch_size: int = 16              # sequences per micro-batch
+    steps: int = 300                  # optimizer steps in total (a resumed run continues to this step)
+    batch_size: int = 8               # sequences per micro-batch
     seq_len: int = 64
     accumulation: int = 1             # micro-batches per optimizer step
     lr: float = 3e-3
-    warmup: int = 40
+    warmup: int = 30
     floor: float = 0.1                # the cosine ends at floor * lr
     decay_steps: int = 0              # where the cosine ends; 0 = steps
     weight_decay: float = 0.1
@@ -50,11 +50,12 @@ class TrainConfig:
     eps: float = 1e-8
     clip: float = 1.0                 # global gradient-norm clip; 0 = off
     eval_every: int = 100
-    eval_batches: int = 20            # held-out chunks per evaluation (0 = the whole held-out shard)
+    eval_batches: int = 10            # held-out chunks per evaluation (0 = the whole held-out shard)
     log_every: int = 10
     checkpoint_dir: str = ""          # default: OUT_DIR/checkpoints
     checkpoint_every: int = 0         # 0 = only at the end
     keep: int = 3                     # checkpoints kept
+    checkpoints: bool = True          # write checkpoints at all (throughput runs turn this off)
     resume: str = ""                  # a checkpoint file or folder to continue
     init_from: str = ""               # a checkpoint to start from (read, never written)
     init_moments: bool = False        # with init_from: also take the AdamW moments and step counter
@@ -78,7 +79,7 @@ class TrainConfig:
         if self.resume and self.init_from: raise ValueError("--resume and --init-from are exclusive: resume continues a run, init-from starts a new one")
         return self
 
-# %% ../nbs/06_training.ipynb #310fac6d
+# %% ../nbs/06_training.ipynb #27177dec
 def read_manifest(folder):
     "The shard lists (train paths, held-out paths) of a prepared data folder."
     folder = Path(folder)
@@ -122,7 +123,7 @@ class TrainingData:
                 i += 1; n += 1
                 if max_batches and n >= max_batches: return
 
-# %% ../nbs/06_training.ipynb #eb58b063
+# %% ../nbs/06_training.ipynb #642e4ef4
 CHECKPOINT_FORMAT = "rtrainer-checkpoint-1"
 SHAPE_FIELDS = ["vocab_size", "padded_vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                 "d_ff", "n_experts", "top_k", "expert_d_ff", "moe_layers", "shared_expert"]
@@ -205,7 +206,7 @@ def prune_checkpoints(folder, keep, protect=()):
     for old in found[:-keep] if keep else []:
         if old.resolve() not in protect: old.unlink()
 
-# %% ../nbs/06_training.ipynb #717c741a
+# %% ../nbs/06_training.ipynb #6c4483e6
 DATASHEET_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "B200": 2250.0, "A100": 312.0}  # dense bf16
 
 def device_peak_tflops(device=None):
@@ -219,7 +220,7 @@ def mfu(tokens_per_s, model_config, seq_len, peak_tflops):
     if not peak_tflops: return None
     return tokens_per_s * flops_per_token(model_config, seq_len) / (peak_tflops * 1e12)
 
-# %% ../nbs/06_training.ipynb #aff48da1
+# %% ../nbs/06_training.ipynb #38adfca0
 class NonFiniteLoss(RuntimeError):
     "The loss or the gradient norm stopped being finite."
 
@@ -398,13 +399,14 @@ class Trainer:
                     self.write_metrics(erow); self.plot()
                     held = f"{ev['val_loss']:9.4f}" if ev else f"{'-':>9}"
                     bar.write(f"{self.step:>6} {row['lr']:>9.2e} {last_train:>8.4f} {held}")
-            if c.checkpoint_every and self.step % c.checkpoint_every == 0 and self.step < c.steps: self.save()
+            if c.checkpoints and c.checkpoint_every and self.step % c.checkpoint_every == 0 and self.step < c.steps: self.save()
         bar.close()
-        path = self.save()
-        if self.is_main: self.log(f"checkpoint: {path}")
+        if c.checkpoints:
+            path = self.save()
+            if self.is_main: self.log(f"checkpoint: {path}")
         return self.history
 
-# %% ../nbs/06_training.ipynb #5a6f50f3
+# %% ../nbs/06_training.ipynb #5aa6f694
 def load_model(checkpoint, device="auto", impl="auto"):
     "(model, metadata) rebuilt from a checkpoint's own config, weights loaded."
     tensors, meta = read_checkpoint(checkpoint)
@@ -414,7 +416,7 @@ def load_model(checkpoint, device="auto", impl="auto"):
     load_model_weights(model, tensors, checkpoint)
     return model, meta
 
-# %% ../nbs/06_training.ipynb #94a9fcc1
+# %% ../nbs/06_training.ipynb #5f8ed769
 SHAPE_OVERRIDES = {"vocab_size": int, "d_model": int, "n_layers": int, "n_heads": int, "n_kv_heads": int, "head_dim": int,
                    "d_ff": int, "max_seq_len": int, "n_experts": int, "top_k": int, "expert_d_ff": int,
                    "capacity_factor": float, "moe_dispatch": str, "impl": str, "precision": str}
@@ -425,19 +427,19 @@ def add_train_arguments(p):
     "Flags of `rtrainer train`: every TrainConfig field and the model-shape overrides."
     p.add_argument("model", nargs="?", default="tiny", help="preset name or model-config JSON (default: tiny)")
     for f in dataclasses.fields(TrainConfig):
-        if f.name in ("model", "progress", "betas"): continue
-        if f.type is bool or isinstance(f.default, bool): p.add_argument(_flag(f.name), action="store_true", help=f"(default: {f.default})")
+        if f.name in ("model", "betas"): continue
+        if isinstance(f.default, bool):   # a True default is turned off with --no-NAME
+            if f.default: p.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false", default=None, help="turn off")
+            else: p.add_argument(_flag(f.name), action="store_true", default=None)
         else: p.add_argument(_flag(f.name), type=type(f.default), default=None, help=f"(default: {f.default!r})")
     for name, typ in SHAPE_OVERRIDES.items(): p.add_argument(_flag(name), type=typ, default=None, help="model override")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--nproc", type=int, default=1, help="processes (GPUs) to train on through torchrun")
 
 def train_config_from_args(args):
     "TrainConfig from parsed flags (unset flags keep their defaults)."
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if getattr(args, f.name, None) not in (None, False)}
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if getattr(args, f.name, None) is not None}
     given["model"] = args.model
     if "out_dir" not in given: given["out_dir"] = f"runs/{Path(args.model).stem}"
-    given["progress"] = not getattr(args, "no_progress", False)
     return TrainConfig(**given).validate()
 
 def model_config_from_args(args, seq_len):

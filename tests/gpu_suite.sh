@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The one GPU script: `bash tests/gpu_suite.sh STAGE...` on the GPU machine (stages below, run in the order
+# given, each under its own time limit). Logs go to $OUT; the recorded data/results/*.json come back in
+# $OUT/results.tgz. Prints a short summary table last.
+set -u
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/rtrainer-gpu}; mkdir -p "$OUT"
+SUMMARY=$OUT/summary.txt; : > "$SUMMARY"
+PY=${PY:-python3}
+start_all=$SECONDS
+
+stage() {  # stage NAME LIMIT_SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "=== $name (limit ${limit}s)"
+  timeout --signal=INT --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  printf '%-28s rc=%-4s %4ss\n' "$name" "$rc" "$((SECONDS-t0))" >> "$SUMMARY"
+}
+
+for s in "$@"; do case $s in
+  env)       stage env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,temperature.gpu --format=csv; $PY -c 'import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())'; $PY -m rtrainer doctor" ;;
+  parity)    stage parity 240 $PY -m pytest -m cuda -q -p no:cacheprovider -o addopts="" --timeout 200 tests/test_kernels_gpu.py tests/test_matmul_gpu.py tests/test_attention_gpu.py tests/test_moe_gpu.py tests/test_optimizer_gpu.py ;;
+  train)     stage train 300 $PY tests/gpu_train_bench.py --arms rb100m:32:torch,rb100m:32:triton,dense1b:16:torch,dense1b:16:triton --rounds 2 --steps 12 --name training_throughput ;;
+  kernels)   stage bench_kernels 150 $PY -c "from rtrainer.kernels import benchmark_suite; benchmark_suite(quick=True)" ;;
+  attention) stage bench_attention 180 $PY -c "from rtrainer.attention import benchmark_suite; benchmark_suite()" ;;
+  matmul)    stage bench_matmul 150 $PY -c "from rtrainer.matmul import benchmark_suite; benchmark_suite(quick=True)" ;;
+  moe)       stage bench_moe 150 $PY -c "from rtrainer.moe import benchmark_suite; benchmark_suite(rounds=3)" ;;
+  optimizer) stage bench_optimizer 90 $PY -c "from rtrainer.optimizer import benchmark_suite; benchmark_suite(quick=True)" ;;
+  *) echo "unknown stage $s"; exit 2 ;;
+esac; done
+
+tar czf "$OUT/results.tgz" data/results 2>/dev/null
+echo; echo "=== summary ($((SECONDS-start_all)) s)"; cat "$SUMMARY"
+grep -hE "^(rb100m|dense1b|prof183m|moe4b)|ratio" "$OUT/train.log" 2>/dev/null | tail -n 12

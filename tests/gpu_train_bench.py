@@ -1,0 +1,73 @@
+"""Paired training-throughput measurement on a GPU: `python tests/gpu_train_bench.py --arms CFG:B:IMPL,... --rounds R`.
+
+Each arm is `rtrainer train CFG --data synthetic` in its own process (so memory and failures are per arm),
+arms alternated round by round. Throughput is the last logging window (the first one holds compilation and
+autotuning), valid only when every logged loss is finite. Writes data/results/NAME.json and prints a table.
+"""
+import argparse, json, math, os, subprocess, sys, tempfile, time
+from pathlib import Path
+import statistics as st
+
+def run_arm(config, batch, impl, steps, seq_len, extra):
+    out = Path(tempfile.mkdtemp(prefix=f"arm-{config}-{impl}-"))
+    cmd = [sys.executable, "-m", "rtrainer", "train", config, "--data", "synthetic", "--impl", impl, "--batch-size", str(batch),
+           "--seq-len", str(seq_len), "--steps", str(steps), "--log-every", str(steps // 2), "--eval-every", "0",
+           "--out-dir", str(out), "--no-progress", "--no-checkpoints", *extra]
+    t0 = time.time()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    row = dict(config=config, batch=batch, impl=impl, wall_s=round(time.time() - t0, 1))
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()] if (out / "metrics.jsonl").exists() else []
+    if r.returncode != 0 or not rows:
+        err = (r.stderr.strip().splitlines() or ["?"])[-1]
+        row.update(status="out of memory" if "out of memory" in r.stderr.lower() else f"failed: {err[:200]}")
+        return row
+    losses = [x["loss"] for x in rows if "loss" in x]
+    if not all(math.isfinite(l) for l in losses): row.update(status="rejected: non-finite loss"); return row
+    last = rows[-1]
+    row.update(status="ok", tokens_per_s=last["tokens_per_s"], mfu=last.get("mfu"), peak_memory_gib=last.get("peak_memory_gib"),
+               first_window_tokens_per_s=rows[0]["tokens_per_s"], final_loss=losses[-1])
+    return row
+
+def t95(n): return {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}.get(n, 2.0)
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arms", required=True, help="CFG:BATCH:IMPL,...")
+    ap.add_argument("--rounds", type=int, default=2); ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--seq-len", type=int, default=1024); ap.add_argument("--name", default="training_throughput")
+    ap.add_argument("--extra", default="", help="extra flags for every arm")
+    a = ap.parse_args()
+    arms = [tuple(x.split(":")) for x in a.arms.split(",")]
+    results = []
+    for rnd in range(a.rounds):
+        for cfg, b, impl in arms:
+            row = run_arm(cfg, int(b), impl, a.steps, a.seq_len, a.extra.split())
+            row["round"] = rnd; results.append(row); print(json.dumps(row), flush=True)
+    summary = []
+    for cfg, b, impl in arms:
+        ok = [r["tokens_per_s"] for r in results if (r["config"], str(r["batch"]), r["impl"]) == (cfg, b, impl) and r["status"] == "ok"]
+        mem = [r["peak_memory_gib"] for r in results if (r["config"], str(r["batch"]), r["impl"]) == (cfg, b, impl) and r["status"] == "ok"]
+        mfu = [r["mfu"] for r in results if (r["config"], str(r["batch"]), r["impl"]) == (cfg, b, impl) and r["status"] == "ok" and r["mfu"]]
+        status = "ok" if ok else next(r["status"] for r in results if (r["config"], str(r["batch"]), r["impl"]) == (cfg, b, impl))
+        summary.append(dict(config=cfg, batch=int(b), impl=impl, status=status, n=len(ok),
+                            tokens_per_s=st.mean(ok) if ok else None, spread=(max(ok) - min(ok)) if ok else None,
+                            mfu=st.mean(mfu) if mfu else None, peak_memory_gib=max(mem) if mem else None))
+    # paired ratio triton / torch per config, by round, with a t interval on log ratios
+    for cfg in dict.fromkeys(c for c, _, _ in arms):
+        pairs = []
+        for rnd in range(a.rounds):
+            got = {r["impl"]: r.get("tokens_per_s") for r in results if r["config"] == cfg and r["round"] == rnd and r["status"] == "ok"}
+            if "triton" in got and "torch" in got: pairs.append(math.log(got["triton"] / got["torch"]))
+        if pairs:
+            m = st.mean(pairs); h = t95(len(pairs) - 1) * st.stdev(pairs) / math.sqrt(len(pairs)) if len(pairs) > 1 else float("nan")
+            summary.append(dict(config=cfg, impl="ratio triton/torch", status="ok", n=len(pairs), ratio=math.exp(m),
+                                ratio_low=math.exp(m - h), ratio_high=math.exp(m + h)))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from rtrainer.kernels import save_results
+    save_results(a.name, summary, runs=results, steps=a.steps, seq_len=a.seq_len, protocol="arms alternated per round, each in its own process; last logging window")
+    print(f"{'config':9} {'B':>3} {'impl':20} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9}  status")
+    for s in summary:
+        if "ratio" in s: print(f"{s['config']:9} {'':>3} {s['impl']:20} ratio {s['ratio']:.3f} [{s['ratio_low']:.3f}, {s['ratio_high']:.3f}] (n={s['n']})")
+        else: print(f"{s['config']:9} {s['batch']:>3} {s['impl']:20} {s['tokens_per_s'] or 0:>10,.0f} {100*(s['mfu'] or 0):>5.1f}% {s['peak_memory_gib'] or 0:>9.1f}  {s['status']}")
+
+if __name__ == "__main__": main()

@@ -1,0 +1,127 @@
+"""The distributed trainer on CPU with gloo: 2 ranks at B/2 against 1 at B, resharding checkpoints, a killed rank.
+
+Every multi-process run goes through torchrun (`python -m torch.distributed.run --standalone`) with a timeout."""
+import json, os, subprocess, sys, time
+from pathlib import Path
+import pytest
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+import torch
+from safetensors.torch import load_file
+from rtrainer.distributed import torchrun_command, worker_environment, strip_nproc, export_checkpoint, MULTICAST_OFF
+from rtrainer.training import read_checkpoint
+
+STEPS = 20
+COMMON = ["tiny", "--data", "synthetic", "--vocab-size", "512", "--seq-len", "32", "--steps", str(STEPS), "--log-every", "1",
+          "--eval-every", "0", "--lr", "1e-2", "--warmup", "2", "--device", "cpu", "--no-progress", "--checkpoint-every", "10"]
+ENV = {"RTRAINER_DIST_TIMEOUT": "20", "OMP_NUM_THREADS": "1"}
+
+def start(nproc, flags, env=None):
+    "Popen of `python -m rtrainer.distributed train FLAGS` on nproc gloo ranks."
+    cmd = torchrun_command(nproc, ["train", *flags], module="rtrainer.distributed")
+    return subprocess.Popen(cmd, env={**worker_environment(), **ENV, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+def finish(proc, timeout=240):
+    try: out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill(); out, _ = proc.communicate()
+        raise AssertionError(f"torchrun run did not finish in {timeout} s:\n{out[-3000:]}")
+    return proc.returncode, out
+
+def metrics(out_dir): return [r for r in map(json.loads, open(Path(out_dir) / "metrics.jsonl")) if "loss" in r]
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    "1 rank at batch 8 (FSDP2), 2 ranks at batch 4 (FSDP2) and at 2 micro-batches of 2 (DDP), 20 steps each, started together."
+    root = tmp_path_factory.mktemp("dist")
+    procs = {"one": start(1, COMMON + ["--batch-size", "8", "--out-dir", str(root / "one")]),
+             "two": start(2, COMMON + ["--batch-size", "4", "--out-dir", str(root / "two")]),
+             "ddp": start(2, COMMON + ["--batch-size", "2", "--accumulation", "2", "--dp", "ddp", "--out-dir", str(root / "ddp")])}
+    for name, p in procs.items():
+        rc, out = finish(p)
+        assert rc == 0, f"{name} run failed:\n{out[-3000:]}"
+    return root
+
+def compare(a, b, what):
+    loss = max(abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(a, b))
+    norm = max(abs(x["grad_norm"] - y["grad_norm"]) / abs(x["grad_norm"]) for x, y in zip(a, b))
+    print(f"{what}: {len(a)} steps, largest relative difference: loss {loss:.2e}, gradient norm {norm:.2e}")
+    return loss, norm
+
+def test_two_ranks_follow_one_process(runs):
+    one, two = metrics(runs / "one"), metrics(runs / "two")
+    assert [r["step"] for r in one] == [r["step"] for r in two] == list(range(1, STEPS + 1))
+    loss, norm = compare(one, two, "FSDP2, 2 ranks at B=4 vs 1 at B=8")
+    assert loss < 1e-5 and norm < 1e-3            # fp32, a different summation order; Adam amplifies it slowly
+
+def test_ddp_follows_one_process(runs):
+    loss, norm = compare(metrics(runs / "one"), metrics(runs / "ddp"), "DDP, 2 ranks x 2 micro-batches of 2 vs 1 at B=8")
+    assert loss < 1e-5 and norm < 1e-3
+
+def test_only_rank_zero_writes(runs):
+    lines = (runs / "two" / "metrics.jsonl").read_text().splitlines()
+    assert len([l for l in lines if '"loss"' in l]) == STEPS      # one row per step, not one per rank
+    assert (runs / "two" / "loss_curve.png").exists()
+
+def test_checkpoint_metadata_matches_single_process(runs):
+    meta = json.loads((runs / "two" / "checkpoints" / "step-00000020.json").read_text())
+    assert meta["format"] == "rtrainer-checkpoint-1" and meta["step"] == 20 and meta["world_size"] == 2
+    assert meta["optimizer"]["step_count"] == 20 and meta["model_config"]["vocab_size"] == 512
+    assert (runs / "two" / "checkpoints" / "step-00000020" / ".metadata").exists()
+
+@pytest.fixture(scope="module")
+def reloaded(runs):
+    "The step-10 checkpoints loaded at the other world size and saved again without a step (2 -> 1 and 1 -> 2)."
+    procs = {}
+    for src, nproc, batch in (("two", 1, "8"), ("one", 2, "4")):
+        flags = COMMON[:COMMON.index("--steps")] + ["--steps", "10"] + COMMON[COMMON.index("--steps") + 2:]
+        procs[src] = start(nproc, flags + ["--batch-size", batch, "--resume", str(runs / src / "checkpoints" / "step-00000010.json"),
+                                           "--out-dir", str(runs / f"{src}-reloaded")])
+    for name, p in procs.items():
+        rc, out = finish(p)
+        assert rc == 0, f"reload of {name} failed:\n{out[-3000:]}"
+        assert "saved on" in out
+    return runs
+
+@pytest.mark.parametrize("src,label", [("two", "2 ranks -> 1"), ("one", "1 rank -> 2")])
+def test_checkpoint_reshards(reloaded, src, label):
+    saved = reloaded / src / "checkpoints" / "step-00000010.json"
+    again = reloaded / f"{src}-reloaded" / "checkpoints" / "step-00000010.json"
+    a = export_checkpoint(saved, reloaded / f"{src}-saved.safetensors")
+    b = export_checkpoint(again, reloaded / f"{src}-again.safetensors")
+    ta, ma = read_checkpoint(a); tb, mb = read_checkpoint(b)
+    assert ma["world_size"] != mb["world_size"]
+    keys = [k for k in ta if k.startswith(("model.", "optim."))]
+    assert len([k for k in keys if k.startswith("model.")]) == 15 and len(keys) == 45   # 2 blocks x 6 + 3, each with 2 moments
+    assert set(keys) <= set(tb)
+    differ = [k for k in keys if not torch.equal(ta[k], tb[k])]
+    print(f"{label}: {len(keys)} tensors compared, {len(differ)} differ")
+    assert not differ
+    assert mb["optimizer"]["step_count"] == 10 and mb["step"] == 10
+
+def test_export_loads_like_a_single_process_checkpoint(runs, tmp_path):
+    from rtrainer.training import load_model
+    out = export_checkpoint(runs / "two" / "checkpoints", tmp_path / "final.safetensors")   # the run folder: newest checkpoint
+    model, meta = load_model(out, device="cpu")
+    assert meta["step"] == 20
+    raw = load_file(str(out))
+    assert torch.equal(model.lm_head, raw["model.lm_head"])
+
+def test_killed_rank_ends_the_run_with_an_error(tmp_path):
+    t0 = time.perf_counter()
+    p = start(2, COMMON + ["--batch-size", "4", "--out-dir", str(tmp_path / "killed")],
+              env={"RTRAINER_TEST_KILL_RANK": "1", "RTRAINER_TEST_KILL_STEP": "3"})
+    rc, out = finish(p, timeout=120)
+    elapsed = time.perf_counter() - t0
+    print(f"killed rank 1 at step 3: torchrun exited with {rc} after {elapsed:.0f} s")
+    assert rc != 0 and "exitcode  : -9" in out, out[-3000:]     # torchrun's report names the killed worker
+    assert elapsed < 100
+
+def test_launch_command():
+    cmd = torchrun_command(4, ["train", "dense1b", "--nproc", "4", "--steps", "5", "--nproc=4"])
+    assert cmd[1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m"]
+    assert cmd[7:] == ["rtrainer", "train", "dense1b", "--steps", "5"]
+    assert strip_nproc(["--nproc", "2"]) == []
+    env = worker_environment({"PATH": "/bin"})
+    assert env["NCCL_NVLS_ENABLE"] == "0" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1" and env["NVSHMEM_DISABLE_NVLS"] == "1"
+    with pytest.raises(ValueError): torchrun_command(0, [])

@@ -1,0 +1,120 @@
+"Tests of the profiling chapter (CPU): profiler phases, the paired interval, the baseline's accounting, versus and ab."
+import json, math, statistics, tempfile
+from pathlib import Path
+import pytest, torch
+from rtrainer.model import model_config, parameter_counts, TransformerLm
+from rtrainer.training import NonFiniteLoss
+from rtrainer.profiling import (PHASES, profile_trainer, profile_step, attribute_device_events, ratio_interval, t_quantile_975,
+                                PlainTransformer, PlainAdamW, plain_parameter_counts, check_parameter_counts, dtype_census,
+                                versus, run_arm, ab, tokens_per_s_from_metrics, changed_rows)
+
+SMALL_VOCAB = 512   # keeps the tiny model's lm-head small so every step takes milliseconds on a CPU
+
+def test_profile_cpu_phases():
+    trainer = profile_trainer("tiny", batch_size=3, seq_len=24, vocab_size=SMALL_VOCAB)
+    report = profile_step(trainer)
+    print({k: round(v, 3) for k, v in report["phases_ms"].items()}, "full step", round(report["full_step_ms"], 3))
+    assert sorted(report["phases_ms"]) == sorted(PHASES)
+    assert all(v > 0 for v in report["phases_ms"].values())
+    assert sum(report["phases_ms"].values()) <= report["full_step_ms"]
+    assert 0 < report["kernel_sum_ms"] <= report["full_step_ms"] and math.isfinite(report["loss"])
+    assert {r["name"].split(".")[0] for r in report["rows"]} <= set(PHASES)
+    assert any(r["name"].startswith("backward.") for r in report["rows"])
+
+def test_attribution_by_launch_time():
+    ranges = [("forward", 0, 10), ("backward", 10, 50), ("optimizer", 60, 70)]
+    launches = {7: 5, 8: 12, 9: 55, 10: 65}
+    rows = attribute_device_events(ranges, launches, [("k", 7, 1e6), ("k", 8, 2e6), ("gap", 9, 3e6), ("k", 10, 4e6), ("k", 8, 1e6)])
+    got = {r["name"]: (r["ms"], r["calls"]) for r in rows}
+    assert got == {"forward.k": (1.0, 1), "backward.k": (3.0, 2), "other.gap": (3.0, 1), "optimizer.k": (4.0, 1)}
+    assert [r["name"] for r in rows][0] == "optimizer.k"     # largest first
+
+def test_ratio_interval_by_hand():
+    ratios = [0.97, 1.04, 1.01, 0.99, 1.08]
+    logs = [math.log(r) for r in ratios]
+    mean = sum(logs) / 5
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / 4)
+    half = 2.776 * sd / math.sqrt(5)
+    got = ratio_interval(ratios)
+    expected = (math.exp(mean), math.exp(mean - half), math.exp(mean + half))
+    print("interval", got, "expected", expected)
+    assert all(abs(a - b) < 1e-12 for a, b in zip(got, expected))
+    assert t_quantile_975(1) == 12.706 and t_quantile_975(22) == 2.086 and t_quantile_975(1000) == 1.96
+    with pytest.raises(ValueError): ratio_interval([])
+
+def test_parameter_count_mismatch_is_caught():
+    for name in ["tiny", "tiny_moe"]:
+        c = model_config(name, vocab_size=SMALL_VOCAB)
+        check_parameter_counts(plain_parameter_counts(PlainTransformer(c, device="cpu")), parameter_counts(c))
+    wrong = PlainTransformer(model_config("tiny", vocab_size=SMALL_VOCAB, n_kv_heads=4), device="cpu")
+    with pytest.raises(ValueError, match="attention"):
+        check_parameter_counts(plain_parameter_counts(wrong), parameter_counts(model_config("tiny", vocab_size=SMALL_VOCAB)))
+
+def test_baseline_matches_rtrainer_in_float64():
+    for name in ["tiny", "tiny_moe"]:
+        c = model_config(name, vocab_size=SMALL_VOCAB + 37, impl="torch")
+        ours = TransformerLm(c, device="cpu")
+        plain = PlainTransformer(c, precision="fp32", device="cpu")
+        with torch.no_grad():
+            mine = dict(ours.named_parameters())
+            for n, p in plain.named_parameters(): p.copy_(mine[n].detach() + 0.01 * torch.randn_like(p) * ("norm" in n))
+            for n, p in ours.named_parameters(): p.copy_(dict(plain.named_parameters())[n])
+        ours, plain = ours.double(), plain.double()
+        ids = torch.randint(0, c.vocab_size, (3, 19)); tgt = torch.randint(0, c.vocab_size, (3, 19))
+        ref = ours(ids, tgt, load_balance_weight=0.01)[0]
+        got = plain(ids, tgt, load_balance_weight=0.01)[0]
+        err = abs(got - ref).item() / abs(ref).item()
+        print(name, "relative error", err)
+        assert err < 1e-10
+
+def test_plain_adamw_policy_and_math():
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(5, 7).to(torch.bfloat16)); n = torch.nn.Parameter(torch.randn(7))
+    opt = PlainAdamW([("w", p), ("norm", n)], lr=1e-2, clip=0)
+    w0, n0 = p.detach().double(), n.detach().double()
+    gp, gn = torch.randn(5, 7).to(torch.bfloat16), torch.randn(7)
+    p.grad, n.grad = gp.clone(), gn.clone()
+    opt.step()
+    def ref(w, g, decay):
+        g = g.double(); m = 0.1 * g; v = 0.001 * g * g
+        w = w * (1 - 1e-2 * 0.1) if decay else w
+        return w - 1e-2 * (m / 0.1) / ((v / 0.001).sqrt() + 1e-8)
+    err_w = (p.detach().double() - ref(w0, gp, True).to(torch.bfloat16).double()).abs().max().item()
+    err_n = ((n.detach().double() - ref(n0, gn, False)).abs().max() / ref(n0, gn, False).abs().max()).item()
+    print("bf16 master max difference", err_w, "fp32 norm relative error", err_n)
+    assert err_w <= 2 ** -7 * ref(w0, gp, True).abs().max().item() and err_n < 1e-6
+    assert p.dtype == torch.bfloat16 and set(dtype_census(torch.nn.ParameterList([p]), opt.exp_avg + opt.exp_avg_sq)["moments"]) == {"float32"}
+
+def test_non_finite_loss_rejects_the_arm():
+    res = run_arm(dict(arm="eager", config="tiny", overrides=dict(vocab_size=SMALL_VOCAB), batch_size=2, seq_len=16, warmup=1, steps=2, lr=1e30))
+    print(res.get("status"))
+    assert "tokens_per_s" not in res and res["status"].startswith("rejected")
+    res = run_arm(dict(arm="rtrainer", config="tiny", overrides=dict(vocab_size=SMALL_VOCAB), batch_size=2, seq_len=16, warmup=1, steps=2, lr=1e30))
+    assert "tokens_per_s" not in res and res["status"].startswith("rejected")
+
+def test_metrics_window_and_gate(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [dict(step=1, loss=5.0, tokens_per_s=10.0), dict(step=2, loss=4.0, tokens_per_s=100.0), dict(step=3, loss=3.0, tokens_per_s=300.0)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    tps, timed = tokens_per_s_from_metrics(path, 1, 60)
+    assert abs(tps - 2 * 60 / (60 / 100 + 60 / 300)) < 1e-9 and len(timed) == 2
+    path.write_text("\n".join(json.dumps(r) for r in rows[:2] + [dict(step=3, loss=float("nan"), tokens_per_s=1.0)]))
+    with pytest.raises(NonFiniteLoss): tokens_per_s_from_metrics(path, 1, 60)
+
+def test_changed_rows():
+    base = dict(rows=[dict(name="a", ms=1.0), dict(name="b", ms=2.0)], unattributed_ms=0.5, kernel_sum_ms=3.0)
+    new = dict(rows=[dict(name="a", ms=1.01), dict(name="c", ms=0.3)], unattributed_ms=0.5, kernel_sum_ms=1.31)
+    assert [n for n, _, _ in changed_rows(base, new)] == ["b", "kernel_sum_ms", "c"]
+
+def test_versus_tiny_eager_in_processes():
+    rows, raw = versus("tiny", tiers=("eager",), rounds=2, steps=2, warmup=1, batch_size=2, seq_len=16, save=False, vocab_size=SMALL_VOCAB)
+    by = {r["arm"]: r for r in rows}
+    assert by["rtrainer"]["rounds"] == by["eager"]["rounds"] == 2
+    ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(raw["rtrainer"], raw["eager"])]
+    assert all(abs(x - y) < 1e-9 for x, y in zip(ratio_interval(ratios), (by["eager"]["rtrainer/arm"], by["eager"]["ci95_low"], by["eager"]["ci95_high"])))
+    assert set(raw["eager"][0]["census"]["moments"]) == {"float32"}
+
+def test_ab_head_against_head():
+    rows = ab("HEAD", "HEAD", config="tiny", rounds=1, steps=1, warmup=1, batch_size=2, seq_len=16, extra=["--vocab-size", str(SMALL_VOCAB)])
+    assert [r["arm"] for r in rows] == ["A", "B"] and rows[0]["commit"] == rows[1]["commit"]
+    assert rows[0]["tokens_per_s"] > 0 and rows[1]["A/arm"] > 0

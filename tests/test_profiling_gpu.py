@@ -1,0 +1,32 @@
+"Profiling chapter on the GPU (run with -m cuda): kernel attribution of a real step, and one cheap versus round."
+import math
+import pytest
+import torch
+from rtrainer.profiling import PHASES, profile_trainer, profile_step, versus, run_arm
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_profile_attributes_kernels_to_phases(impl):
+    trainer = profile_trainer("tiny", batch_size=8, seq_len=128, impl=impl)
+    report = profile_step(trainer)
+    names = {r["name"].split(".")[0] for r in report["rows"]}
+    print({k: round(v, 3) for k, v in report["phases_ms"].items()}, "all kernels", round(report["kernel_sum_ms"], 3),
+          "full step", round(report["full_step_ms"], 3), "other", [r["name"] for r in report["rows"] if r["name"].startswith("other.")][:5])
+    assert set(PHASES) <= names, names
+    assert all(report["phases_ms"][p] > 0 for p in PHASES)
+    assert 0 < report["kernel_sum_ms"] <= report["full_step_ms"]
+    other = sum(r["ms"] for r in report["rows"] if r["name"].startswith("other."))
+    assert other < 0.2 * report["kernel_sum_ms"], f"{other:.3f} ms of kernels outside every phase"
+
+def test_baseline_arms_run_and_record_graphs():
+    spec = dict(config="tiny", batch_size=8, seq_len=128, warmup=3, steps=3)
+    eager = run_arm(dict(spec, arm="eager"))
+    print(eager)
+    assert eager["tokens_per_s"] > 0 and eager["census"]["params"].get("bfloat16") and set(eager["census"]["moments"]) == {"float32"}
+
+def test_versus_one_round_in_processes():
+    rows, raw = versus("tiny", tiers=("default", "reduce-overhead"), rounds=2, steps=3, warmup=3, batch_size=8, seq_len=128, save=False)
+    by = {r["arm"]: r for r in rows}
+    assert by["rtrainer"]["tokens_per_s"] > 0 and by["default"]["tokens_per_s"] > 0 and math.isfinite(by["default"]["rtrainer/arm"])
+    assert by["default"]["cuda_graphs"] == 0 and by["reduce-overhead"]["cuda_graphs"] > 0, (by["default"], by["reduce-overhead"])
