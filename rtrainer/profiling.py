@@ -15,7 +15,7 @@ __all__ = ['T_QUANTILE_975', 'PHASES', 'PROFILE_WARMUP_STEPS', 'CHART_ROWS', 'AR
            'run_profile', 'add_ab_arguments', 'run_ab', 'add_versus_arguments', 'run_versus',
            'add_sweep_arch_arguments', 'run_sweep_arch']
 
-# %% ../nbs/07_profiling.ipynb #3ee9b967
+# %% ../nbs/07_profiling.ipynb #3125aa3c
 import argparse, json, math, os, shutil, statistics, subprocess, sys, tempfile, time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -29,7 +29,7 @@ from .optimizer import policy_dtype, parameter_kind
 from .model import ModelConfig, TransformerLm, model_config, PRESETS, REFERENCE_BATCH, parameter_counts, flops_per_token
 from .training import Trainer, TrainConfig, DATASHEET_PEAK_TFLOPS, device_peak_tflops, mfu, NonFiniteLoss
 
-# %% ../nbs/07_profiling.ipynb #9b05446c
+# %% ../nbs/07_profiling.ipynb #1650e5b4
 T_QUANTILE_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
                   10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110,
                   18: 2.101, 19: 2.093, 20: 2.086, 25: 2.060, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}
@@ -54,7 +54,7 @@ def spread(values):
     "(mean, sample standard deviation) of a list (sd 0 for one value)."
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
-# %% ../nbs/07_profiling.ipynb #a277a37f
+# %% ../nbs/07_profiling.ipynb #a1223268
 def resolve_peak_tflops(peak_tflops=None, device=None, warn=print):
     "The peak to divide by: the given number, else the datasheet entry of this GPU, else None with a warning."
     if peak_tflops: return float(peak_tflops)
@@ -68,7 +68,7 @@ def days_for_tokens(tokens_per_s, tokens=50e9):
     "Days that `tokens` tokens take at `tokens_per_s`."
     return tokens / tokens_per_s / 86400 if tokens_per_s > 0 else float("inf")
 
-# %% ../nbs/07_profiling.ipynb #062d7fbb
+# %% ../nbs/07_profiling.ipynb #e5877906
 PHASES = ("forward", "backward", "optimizer")
 PROFILE_WARMUP_STEPS = 2
 CHART_ROWS = 20            # bars in the profile chart
@@ -98,7 +98,7 @@ class ProfilingTrainer(Trainer):
         with self.phase("backward"): loss.backward()
         return lm, lb
 
-# %% ../nbs/07_profiling.ipynb #20429dfc
+# %% ../nbs/07_profiling.ipynb #598d2691
 def attribute_device_events(ranges, launches, device_events):
     """Rows {name, ms, calls} with names prefixed by phase.
     ranges: [(phase, start_ns, end_ns)] CPU phase ranges; launches: {correlation id: CPU start ns};
@@ -112,7 +112,7 @@ def attribute_device_events(ranges, launches, device_events):
         totals[key] += duration_ns / 1e6; calls[key] += 1
     return sorted(({"name": k, "ms": v, "calls": calls[k]} for k, v in totals.items()), key=lambda r: -r["ms"])
 
-# %% ../nbs/07_profiling.ipynb #f626c81b
+# %% ../nbs/07_profiling.ipynb #251253f6
 def _kineto_lists(prof):
     """(ranges, launches, device events) from a torch.profiler run with CUDA activity.
     A device event's linked_correlation_id is the correlation id of the CPU operator or range (activity 'cpu_op' or
@@ -170,7 +170,7 @@ def profile_step(trainer, warmup=PROFILE_WARMUP_STEPS):
     return dict(method=method, device=str(trainer.device), full_step_ms=full_ms, unprofiled_step_ms=unprofiled_ms,
                 phases_ms=phases, kernel_sum_ms=kernel_sum, unattributed_ms=full_ms - kernel_sum, loss=row["loss"], rows=rows)
 
-# %% ../nbs/07_profiling.ipynb #96da6dc4
+# %% ../nbs/07_profiling.ipynb #c5ea4b42
 def profile_trainer(config="tiny", batch_size=None, seq_len=None, impl="auto", device="auto", **overrides):
     "A ProfilingTrainer on synthetic tokens for `config` (reference batch and T = 1024 by default)."
     seq_len = seq_len or (1024 if config in REFERENCE_BATCH else 64)
@@ -209,7 +209,7 @@ def profile_chart(report, path, top=CHART_ROWS):
     fig.tight_layout(); Path(path).parent.mkdir(parents=True, exist_ok=True); fig.savefig(path); plt.close(fig)
     return path
 
-# %% ../nbs/07_profiling.ipynb #8e45873a
+# %% ../nbs/07_profiling.ipynb #1cc8d369
 class Worktree:
     "A detached git worktree of `ref` in a temporary folder (a context manager that removes it)."
     def __init__(self, ref, repo=None):
@@ -243,12 +243,12 @@ from rtrainer.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
-def run_in_worktree(tree, argv, timeout=None):
-    "Run `rtrainer argv...` guarded inside worktree `tree`; returns the CompletedProcess."
-    return subprocess.run([sys.executable, "-c", ARM_GUARD, *argv], cwd=tree.path, env=tree.env(), capture_output=True,
+def run_in_worktree(tree, argv, timeout=None, cwd=None, env=None):
+    "Run `rtrainer argv...` guarded inside worktree `tree` (from its root by default); returns the CompletedProcess."
+    return subprocess.run([sys.executable, "-c", ARM_GUARD, *argv], cwd=cwd or tree.path, env=env or tree.env(), capture_output=True,
                           text=True, timeout=timeout)
 
-# %% ../nbs/07_profiling.ipynb #3ec5e325
+# %% ../nbs/07_profiling.ipynb #2c8665db
 def tokens_per_s_from_metrics(path, warmup, tokens_per_step):
     "Tokens/s over the training rows after the first `warmup` steps of a metrics.jsonl logged every step."
     rows = [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
@@ -324,7 +324,7 @@ def ab(ref, baseline_ref, config="tiny", rounds=3, steps=10, warmup=2, batch_siz
     print_summary(rows, f"ab {config} B={batch_size} T={seq_len}: {rounds} rounds of {steps} steps after {warmup} (ratio A/B)")
     return rows
 
-# %% ../nbs/07_profiling.ipynb #0f20bddf
+# %% ../nbs/07_profiling.ipynb #de8ba24e
 def _widen(t): return t.to(torch.promote_types(t.dtype, torch.float32))   # fp32, or fp64 for a float64 check
 
 def _plain_rms_norm(x, weight, eps):
@@ -432,7 +432,7 @@ class PlainTransformer(nn.Module):
         loss = F.cross_entropy(logits.reshape(-1, c.vocab_size), targets.reshape(-1))
         return loss + load_balance_weight * lb, loss.detach()
 
-# %% ../nbs/07_profiling.ipynb #92987e2b
+# %% ../nbs/07_profiling.ipynb #be8234d2
 def plain_parameter_counts(model):
     "The baseline's parameters by rtrainer's terms (embedding, lm_head, norms, attention, ffn) and the total."
     counts = dict(embedding=0, lm_head=0, norms=0, attention=0, ffn=0)
@@ -462,7 +462,7 @@ def dtype_census(model, moments=None):
         census["moments"] = dict(m)
     return census
 
-# %% ../nbs/07_profiling.ipynb #62e108e1
+# %% ../nbs/07_profiling.ipynb #ca42d870
 class PlainAdamW:
     "AdamW of the precision policy in stock torch ops (a per-tensor loop, so torch.compile can fuse it)."
     def __init__(self, named_parameters, lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, clip=1.0):
@@ -494,7 +494,7 @@ class PlainAdamW:
     def zero_grad(self):
         for p in self.params: p.grad = None
 
-# %% ../nbs/07_profiling.ipynb #25fdd337
+# %% ../nbs/07_profiling.ipynb #cc13fdae
 TIERS = ("eager", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
 ARM_RESULT_PREFIX = "RTRAINER_ARM_RESULT "
 
@@ -506,11 +506,13 @@ def cuda_graphs_recorded():
         manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
     except Exception: return None
     if manager is None: return 0
-    count, todo = 0, [n for nodes in manager.roots.values() for n in nodes]
-    while todo:
-        node = todo.pop(); count += 1
-        todo.extend(n for nodes in node.children.values() for n in nodes)
-    return count
+    try:
+        count, todo = 0, [n for nodes in manager.roots.values() for n in nodes]
+        while todo:
+            node = todo.pop(); count += isinstance(node, cudagraph_trees.CUDAGraphNode)   # warm-up nodes are not graphs
+            todo.extend(n for nodes in getattr(node, "children", {}).values() for n in nodes)
+        return count
+    except Exception: return None
 
 def _sync(device):
     if device.type == "cuda": torch.cuda.synchronize(device)
@@ -599,7 +601,7 @@ def run_arm_process(spec, timeout=None):
     status = "out of memory" if "out of memory" in tail.lower() else f"failed (exit {r.returncode}): {tail}"
     return dict(arm=spec["arm"], status=status)
 
-# %% ../nbs/07_profiling.ipynb #391bec17
+# %% ../nbs/07_profiling.ipynb #a5b125ab
 def versus(config="tiny", tiers=("eager", "default"), rounds=3, steps=10, warmup=3, batch_size=None, seq_len=None,
            peak_tflops=None, save=True, timeout=None, log=print, isolate=True, **overrides):
     "rtrainer against the plain PyTorch baseline tiers, alternated; returns (summary rows, raw results). isolate=False: arms in this process (CPU demos only)."
@@ -627,7 +629,7 @@ def versus(config="tiny", tiers=("eager", "default"), rounds=3, steps=10, warmup
     if save: log(f"saved {save_results(f'versus_{config}', rows, raw=results)}")
     return rows, results
 
-# %% ../nbs/07_profiling.ipynb #3576d06a
+# %% ../nbs/07_profiling.ipynb #73063d41
 def sweep_arch(config, batch_size=None, seq_len=None, warmup=2, steps=1, peak_tflops=None, log=print, isolate=True, **overrides):
     "Step time, peak memory, tokens/s, MFU and days for 50B tokens of one configuration (own process); the result dict."
     seq_len = seq_len or (1024 if config in REFERENCE_BATCH else 64)
@@ -649,7 +651,7 @@ def sweep_arch(config, batch_size=None, seq_len=None, warmup=2, steps=1, peak_tf
     else: log(f"{config}: {res.get('status')}")
     return res
 
-# %% ../nbs/07_profiling.ipynb #1c095a81
+# %% ../nbs/07_profiling.ipynb #ee9d770b
 CHANGED_FRACTION = 0.05     # a row "changed" when it moved by more than 5% ...
 CHANGED_MIN_MS = 0.01       # ... and by more than 10 microseconds
 

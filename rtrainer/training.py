@@ -12,7 +12,7 @@ __all__ = ['BUNDLED_DATA', 'CHECKPOINT_FORMAT', 'SHAPE_FIELDS', 'DATASHEET_PEAK_
            'model_config_from_args', 'ensure_bundled_data', 'run_train', 'add_eval_arguments', 'run_eval',
            'add_generate_arguments', 'run_generate']
 
-# %% ../nbs/06_training.ipynb #63158942
+# %% ../nbs/06_training.ipynb #f4c5ff21
 import argparse, dataclasses, json, math, os, sys, time
 from dataclasses import dataclass, asdict, field
 from pathlib import Path
@@ -29,7 +29,7 @@ from .moe import load_balance_weight
 from .optimizer import AdamW, clip_coefficient, warmup_cosine
 from .model import ModelConfig, TransformerLm, model_config, flops_per_token, parameter_counts, generate
 
-# %% ../nbs/06_training.ipynb #d8968e40
+# %% ../nbs/06_training.ipynb #3d138af9
 BUNDLED_DATA = "data/python-docs"
 
 @dataclass
@@ -79,7 +79,7 @@ class TrainConfig:
         if self.resume and self.init_from: raise ValueError("--resume and --init-from are exclusive: resume continues a run, init-from starts a new one")
         return self
 
-# %% ../nbs/06_training.ipynb #27177dec
+# %% ../nbs/06_training.ipynb #76576ef0
 def read_manifest(folder):
     "The shard lists (train paths, held-out paths) of a prepared data folder."
     folder = Path(folder)
@@ -123,7 +123,7 @@ class TrainingData:
                 i += 1; n += 1
                 if max_batches and n >= max_batches: return
 
-# %% ../nbs/06_training.ipynb #642e4ef4
+# %% ../nbs/06_training.ipynb #79bb36c4
 CHECKPOINT_FORMAT = "rtrainer-checkpoint-1"
 SHAPE_FIELDS = ["vocab_size", "padded_vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                 "d_ff", "n_experts", "top_k", "expert_d_ff", "moe_layers", "shared_expert"]
@@ -206,7 +206,7 @@ def prune_checkpoints(folder, keep, protect=()):
     for old in found[:-keep] if keep else []:
         if old.resolve() not in protect: old.unlink()
 
-# %% ../nbs/06_training.ipynb #6c4483e6
+# %% ../nbs/06_training.ipynb #1de8f987
 DATASHEET_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "B200": 2250.0, "A100": 312.0}  # dense bf16
 
 def device_peak_tflops(device=None):
@@ -220,7 +220,7 @@ def mfu(tokens_per_s, model_config, seq_len, peak_tflops):
     if not peak_tflops: return None
     return tokens_per_s * flops_per_token(model_config, seq_len) / (peak_tflops * 1e12)
 
-# %% ../nbs/06_training.ipynb #38adfca0
+# %% ../nbs/06_training.ipynb #8fe24aee
 class NonFiniteLoss(RuntimeError):
     "The loss or the gradient norm stopped being finite."
 
@@ -393,10 +393,9 @@ class Trainer:
                 window_start, window_tokens = time.perf_counter(), 0
             if (c.eval_every and self.step % c.eval_every == 0) or self.step == c.steps:
                 ev = self.evaluate()
-                erow = dict(step=self.step, **(ev or {}))
                 if self.is_main:
-                    if ev: erow["sample"] = self.sample()
-                    self.write_metrics(erow); self.plot()
+                    if ev: self.write_metrics(dict(step=self.step, **ev, sample=self.sample()))
+                    self.plot()
                     held = f"{ev['val_loss']:9.4f}" if ev else f"{'-':>9}"
                     bar.write(f"{self.step:>6} {row['lr']:>9.2e} {last_train:>8.4f} {held}")
             if c.checkpoints and c.checkpoint_every and self.step % c.checkpoint_every == 0 and self.step < c.steps: self.save()
@@ -406,7 +405,7 @@ class Trainer:
             if self.is_main: self.log(f"checkpoint: {path}")
         return self.history
 
-# %% ../nbs/06_training.ipynb #5aa6f694
+# %% ../nbs/06_training.ipynb #0dbc3326
 def load_model(checkpoint, device="auto", impl="auto"):
     "(model, metadata) rebuilt from a checkpoint's own config, weights loaded."
     tensors, meta = read_checkpoint(checkpoint)
@@ -416,7 +415,7 @@ def load_model(checkpoint, device="auto", impl="auto"):
     load_model_weights(model, tensors, checkpoint)
     return model, meta
 
-# %% ../nbs/06_training.ipynb #5f8ed769
+# %% ../nbs/06_training.ipynb #f789d585
 SHAPE_OVERRIDES = {"vocab_size": int, "d_model": int, "n_layers": int, "n_heads": int, "n_kv_heads": int, "head_dim": int,
                    "d_ff": int, "max_seq_len": int, "n_experts": int, "top_k": int, "expert_d_ff": int,
                    "capacity_factor": float, "moe_dispatch": str, "impl": str, "precision": str}

@@ -21,8 +21,8 @@ stage() {  # stage NAME LIMIT_SECONDS COMMAND...
 
 for s in "$@"; do case $s in
   env)       stage env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,temperature.gpu --format=csv; $PY -c 'import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())'; $PY -m rtrainer doctor" ;;
-  parity)    stage parity 240 $PY -m pytest -m cuda -q -p no:cacheprovider -o addopts="" --timeout 200 tests/test_kernels_gpu.py tests/test_matmul_gpu.py tests/test_attention_gpu.py tests/test_moe_gpu.py tests/test_optimizer_gpu.py ;;
-  train)     stage train 300 $PY tests/gpu_train_bench.py --arms rb100m:32:torch,rb100m:32:triton,dense1b:16:torch,dense1b:16:triton --rounds 2 --steps 12 --name training_throughput ;;
+  parity-*)  f=${s#parity-}; stage "parity_$f" "${PARITY_LIMIT:-150}" $PY -m pytest -m cuda -v -p no:cacheprovider -o addopts="" --timeout 140 --durations=8 "tests/test_${f}_gpu.py" ;;
+  train)     stage train ${TRAIN_LIMIT:-300} $PY tests/gpu_train_bench.py --arms rb100m:32:torch,rb100m:32:triton,dense1b:16:torch,dense1b:16:triton --rounds ${ROUNDS:-2} --steps ${STEPS:-12} --name training_throughput ;;
   kernels)   stage bench_kernels 150 $PY -c "from rtrainer.kernels import benchmark_suite; benchmark_suite(quick=True)" ;;
   attention) stage bench_attention 180 $PY -c "from rtrainer.attention import benchmark_suite; benchmark_suite()" ;;
   matmul)    stage bench_matmul 150 $PY -c "from rtrainer.matmul import benchmark_suite; benchmark_suite(quick=True)" ;;

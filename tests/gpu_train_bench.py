@@ -23,9 +23,9 @@ def run_arm(config, batch, impl, steps, seq_len, extra):
         return row
     losses = [x["loss"] for x in rows if "loss" in x]
     if not all(math.isfinite(l) for l in losses): row.update(status="rejected: non-finite loss"); return row
-    last = rows[-1]
+    last = [x for x in rows if "tokens_per_s" in x][-1]
     row.update(status="ok", tokens_per_s=last["tokens_per_s"], mfu=last.get("mfu"), peak_memory_gib=last.get("peak_memory_gib"),
-               first_window_tokens_per_s=rows[0]["tokens_per_s"], final_loss=losses[-1])
+               first_window_tokens_per_s=[x for x in rows if "tokens_per_s" in x][0]["tokens_per_s"], final_loss=losses[-1])
     return row
 
 def t95(n): return {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}.get(n, 2.0)

@@ -118,3 +118,17 @@ def test_ab_head_against_head():
     rows = ab("HEAD", "HEAD", config="tiny", rounds=1, steps=1, warmup=1, batch_size=2, seq_len=16, extra=["--vocab-size", str(SMALL_VOCAB)])
     assert [r["arm"] for r in rows] == ["A", "B"] and rows[0]["commit"] == rows[1]["commit"]
     assert rows[0]["tokens_per_s"] > 0 and rows[1]["A/arm"] > 0
+
+def test_worktree_arm_refuses_foreign_or_dirty_code():
+    from rtrainer.profiling import Worktree, run_in_worktree, PROJECT_ROOT
+    with Worktree("HEAD") as tree:
+        ok = run_in_worktree(tree, ["--help"])
+        assert ok.returncode == 0 and f"arm commit {tree.commit}" in ok.stdout
+        foreign = run_in_worktree(tree, ["--help"], cwd=PROJECT_ROOT, env={**tree.env(), "PYTHONPATH": str(PROJECT_ROOT)})  # the main checkout
+        print(foreign.stderr.strip())
+        assert foreign.returncode != 0 and "outside the worktree" in foreign.stderr
+        (tree.path / "stray.py").write_text("x = 1\n")
+        dirty = run_in_worktree(tree, ["--help"])
+        print(dirty.stderr.strip())
+        assert dirty.returncode != 0 and "is not commit" in dirty.stderr
+    assert not tree.path.exists()
