@@ -7,9 +7,9 @@ Docs: https://example.invalid/rtrainer/rtrainer/main.html.md"""
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/09a_main.ipynb #6fbe724b
+# %% ../nbs/09a_main.ipynb #73a67423
 import sys
 from .cli import main
 
-# %% ../nbs/09a_main.ipynb #d872f247
+# %% ../nbs/09a_main.ipynb #4a1c43fa
 if __name__ == "__main__": sys.exit(main())

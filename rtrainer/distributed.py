@@ -12,7 +12,7 @@ __all__ = ['MULTICAST_OFF', 'DIST_TIMEOUT_S', 'DATA_PARALLEL', 'WEIGHT_GRAD_OPS'
            'prune_distributed_checkpoints', 'export_checkpoint', 'add_distributed_arguments', 'wait_for_bundled_data',
            'run_distributed_train', 'main', 'benchmark_suite']
 
-# %% ../nbs/08_distributed.ipynb #4c07f688
+# %% ../nbs/08_distributed.ipynb #938f5ed4
 import argparse, dataclasses, datetime, json, math, os, shutil, signal, subprocess, sys, time, warnings
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -34,7 +34,7 @@ from .training import (Trainer, TrainConfig, NonFiniteLoss, CHECKPOINT_FORMAT, a
                                train_config_from_args, model_config_from_args, ensure_bundled_data, read_checkpoint,
                                check_same_shape, atomic_save_safetensors, device_peak_tflops, BUNDLED_DATA)
 
-# %% ../nbs/08_distributed.ipynb #7b3899a5
+# %% ../nbs/08_distributed.ipynb #72670241
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 DIST_TIMEOUT_S = 120          # default collective timeout: a dead rank makes the others fail after this long
 DATA_PARALLEL = ("fsdp", "ddp")
@@ -63,7 +63,7 @@ def launch_torchrun(nproc, argv):
     "Run `torchrun --standalone --nproc-per-node nproc -m rtrainer <argv without --nproc>`; returns its exit status."
     return subprocess.run(torchrun_command(nproc, argv), env=worker_environment()).returncode
 
-# %% ../nbs/08_distributed.ipynb #6055a45e
+# %% ../nbs/08_distributed.ipynb #a9fc255a
 def distributed_environment():
     "(rank, world_size, local_rank) from torchrun's environment; (0, 1, 0) outside torchrun."
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
@@ -83,7 +83,7 @@ def init_distributed(device="auto", timeout_s=None):
                                 timeout=timeout, **({"device_id": device} if device.type == "cuda" else {}))
     return rank, world_size, device
 
-# %% ../nbs/08_distributed.ipynb #f202390d
+# %% ../nbs/08_distributed.ipynb #09cbc60d
 class ShardableBlock(Block):
     "A Block with a forward (the pending residual add and its own attn_norm first), so FSDP2's hooks fire per block."
     def forward(self, h, residual, lm):
@@ -108,7 +108,7 @@ class ShardableTransformerLm(TransformerLm):
         x, _ = self.op["add_rms_norm"](h, residual, self.final_norm, c.norm_eps)
         return x
 
-# %% ../nbs/08_distributed.ipynb #1aedecb6
+# %% ../nbs/08_distributed.ipynb #8528322d
 def local_tensor(t): return t.to_local() if isinstance(t, DTensor) else t
 
 class ShardedAdamW(AdamW):
@@ -162,7 +162,7 @@ class ShardedAdamW(AdamW):
                                         if isinstance(p, DTensor) else m)
         return out
 
-# %% ../nbs/08_distributed.ipynb #b71a7c88
+# %% ../nbs/08_distributed.ipynb #3a6133a3
 WEIGHT_GRAD_OPS = ("linear", "embedding", "linear_cross_entropy")
 
 def use_autograd_weight_grads(model):
@@ -172,7 +172,7 @@ def use_autograd_weight_grads(model):
         if blk.moe is not None: blk.moe.impl = "torch"
     return model
 
-# %% ../nbs/08_distributed.ipynb #187faa04
+# %% ../nbs/08_distributed.ipynb #4629987f
 def _kill_switch(rank, step):
     "Test hook: RTRAINER_TEST_KILL_RANK / RTRAINER_TEST_KILL_STEP make that rank SIGKILL itself before that step."
     r, s = os.environ.get("RTRAINER_TEST_KILL_RANK"), os.environ.get("RTRAINER_TEST_KILL_STEP")
@@ -366,7 +366,7 @@ def _all_moments(optimizer):
     for i in range(len(optimizer.params)): optimizer.moments(i)
     return optimizer.state_tensors()
 
-# %% ../nbs/08_distributed.ipynb #a2c8d8ab
+# %% ../nbs/08_distributed.ipynb #29130ae3
 def checkpoint_metadata(model_config, optimizer, step, train_config=None, extra=None):
     "The metadata dict of a checkpoint (the same keys as training.save_checkpoint writes)."
     return dict(format=CHECKPOINT_FORMAT, step=step, model_config=model_config.to_dict(),
@@ -428,7 +428,7 @@ def export_checkpoint(dcp_path, out_file):
         dcp.load(state, checkpoint_id=str(folder), no_dist=True)
     return atomic_save_safetensors(state, out_file, {"rtrainer": json.dumps(meta, default=list)})
 
-# %% ../nbs/08_distributed.ipynb #e0cab5ca
+# %% ../nbs/08_distributed.ipynb #d0177f80
 def add_distributed_arguments(p):
     "The flag the distributed trainer adds to `rtrainer train` (no-op when the parser already has it)."
     if "--dp" in p._option_string_actions: return
@@ -479,22 +479,22 @@ def main(argv=None):
     add_train_arguments(p); add_distributed_arguments(p)
     return run_distributed_train(p.parse_args(argv))
 
-# %% ../nbs/08_distributed.ipynb #a8e6e5e1
+# %% ../nbs/08_distributed.ipynb #d5536de7
 if __name__ == "__main__": sys.exit(main())
 
-# %% ../nbs/08_distributed.ipynb #3513a624
+# %% ../nbs/08_distributed.ipynb #2063911a
 def _train_tokens_per_s(cmd, out_dir, timeout):
     subprocess.run(cmd, env=worker_environment(), check=True, timeout=timeout)
     rows = [r for r in map(json.loads, open(Path(out_dir) / "metrics.jsonl")) if "tokens_per_s" in r]
     return rows[-1]
 
-def benchmark_suite(model="dense1b", batch_size=16, seq_len=1024, steps=30, save=True):
-    "GPU: tokens/s of `model` under FSDP2 and DDP at world size 1 against the plain trainer; saves results 'distributed'."
+def benchmark_suite(model="dense1b", batch_size=16, seq_len=1024, steps=30, save=True, impl="torch"):
+    "GPU: tokens/s of `model` under FSDP2 and DDP at world size 1 against the plain trainer on the same ops; saves results 'distributed'."
     if not torch.cuda.is_available(): raise ValueError("benchmark_suite needs a CUDA GPU")
     from rtrainer.kernels import save_results
     work = Path(tempfile.mkdtemp())
     flags = [model, "--data", "synthetic", "--batch-size", str(batch_size), "--seq-len", str(seq_len), "--steps", str(steps),
-             "--log-every", str(steps // 2), "--eval-every", "0", "--no-progress", "--no-checkpoints"]
+             "--log-every", str(steps // 2), "--eval-every", "0", "--no-progress", "--no-checkpoints", "--impl", impl]
     rows = []
     plain = _train_tokens_per_s([sys.executable, "-m", "rtrainer", "train", *flags, "--out-dir", str(work / "plain")], work / "plain", 1800)
     for label, dp in (("fsdp2", "fsdp"), ("ddp", "ddp")):
@@ -503,5 +503,5 @@ def benchmark_suite(model="dense1b", batch_size=16, seq_len=1024, steps=30, save
                          of_plain=round(r["tokens_per_s"] / plain["tokens_per_s"], 4)))
     rows.insert(0, dict(engine="plain trainer", world_size=1, tokens_per_s=round(plain["tokens_per_s"]), mfu=plain.get("mfu"),
                         peak_memory_gib=plain.get("peak_memory_gib"), of_plain=1.0))
-    if save: save_results("distributed", rows, model=model, batch_size=batch_size, seq_len=seq_len, steps=steps)
+    if save: save_results("distributed", rows, model=model, batch_size=batch_size, seq_len=seq_len, steps=steps, impl=impl)
     return rows

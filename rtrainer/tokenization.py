@@ -16,7 +16,7 @@ __all__ = ['EOT_ID', 'VOCAB_SIZE', 'VOCAB_FILE_NAME', 'VOCAB_SHA256', 'PYTHON_DO
            'format_summary', 'TokenFile', 'supervised_batch', 'load_sft_jsonl', 'add_prepare_arguments', 'run_prepare',
            'benchmark_prepare_speed']
 
-# %% ../nbs/00_tokenization.ipynb #9833ec41
+# %% ../nbs/00_tokenization.ipynb #0b6e04df
 import argparse, array, datetime, fnmatch, functools, hashlib, importlib, importlib.resources, inspect, itertools
 import json, math, os, platform, re, statistics, struct, subprocess, sys, tempfile, time, warnings, zlib
 from collections import deque
@@ -33,7 +33,7 @@ import torch
 from tiktoken_ext.openai_public import r50k_pat_str
 from tqdm import tqdm
 
-# %% ../nbs/00_tokenization.ipynb #a09a476c
+# %% ../nbs/00_tokenization.ipynb #5c094afb
 EOT_ID = 50256            # id of <|endoftext|>, appended after every document
 VOCAB_SIZE = 50257        # r50k_base: 50,256 byte-pair ranks + <|endoftext|>
 VOCAB_FILE_NAME = "r50k_base.tiktoken"
@@ -55,7 +55,7 @@ def get_tokenizer() -> tiktoken.Encoding:
     return tiktoken.Encoding(name="r50k_base", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": EOT_ID}, explicit_n_vocab=VOCAB_SIZE)
 
-# %% ../nbs/00_tokenization.ipynb #f8464623
+# %% ../nbs/00_tokenization.ipynb #10b75cb8
 PYTHON_DOCS_MODULES = tuple(sorted("""
 abc argparse ast asyncio base64 bdb bisect calendar cmd code codecs codeop collections colorsys compileall
 concurrent.futures configparser contextlib contextvars copy copyreg csv dataclasses datetime decimal difflib dis
@@ -108,7 +108,7 @@ def python_docs_documents() -> Iterator[str]:
         try: yield module_document(module_name)
         except ImportError: continue  # a stripped-down Python without this module: the corpus is just smaller
 
-# %% ../nbs/00_tokenization.ipynb #5959174f
+# %% ../nbs/00_tokenization.ipynb #863b4e6e
 PARQUET_BATCH_ROWS = 1024     # parquet rows decoded at a time (about 4 MB of Wikipedia text)
 INPUT_SUFFIXES = {"parquet": (".parquet",), "wiki": (".parquet",), "jsonl": (".jsonl",), "text": (".txt",)}
 
@@ -175,7 +175,7 @@ def parquet_documents(paths: Iterable[Path | str], text_field: str = "text") -> 
                 yield from batch.column(0).to_pylist()
         finally: parquet.close()
 
-# %% ../nbs/00_tokenization.ipynb #122feee3
+# %% ../nbs/00_tokenization.ipynb #b1c00b41
 WIKI_REPO = "wikimedia/wikipedia"
 WIKI_CONFIG = "20231101.en"
 
@@ -203,7 +203,7 @@ def wiki_parquet_files(limit_files: int | None = None) -> tuple[Iterator[str], l
     names = names[:limit_files]
     return (hub.hf_hub_download(WIKI_REPO, name, repo_type="dataset") for name in names), names
 
-# %% ../nbs/00_tokenization.ipynb #05b2e763
+# %% ../nbs/00_tokenization.ipynb #838328b1
 SOURCES = ("wiki", "parquet", "jsonl", "text", "python-docs")
 
 def open_source(source: str, inputs: Iterable[str | Path] = (), text_field: str = "text",
@@ -231,7 +231,7 @@ def open_source(source: str, inputs: Iterable[str | Path] = (), text_field: str 
     documents = (text for text in documents if text)
     return (itertools.islice(documents, limit_articles) if limit_articles is not None else documents), names
 
-# %% ../nbs/00_tokenization.ipynb #6a99fed7
+# %% ../nbs/00_tokenization.ipynb #982c3ff4
 ENCODE_TASK_CHARS = 1 << 16          # characters of text per worker task (about 16K tokens)
 TASKS_AHEAD_PER_WORKER = 4           # tasks kept queued per worker, so a worker never waits for the main thread
 TOKEN_DTYPE = np.dtype("<u2")        # token ids on disk: little-endian uint16
@@ -275,7 +275,7 @@ def encode_documents(documents: Iterable[str], workers: int | None = None,
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
-# %% ../nbs/00_tokenization.ipynb #ead84a9a
+# %% ../nbs/00_tokenization.ipynb #4690cd8b
 MAGIC = b"TOK1"
 FORMAT_VERSION = 1
 TOKEN_BYTES = 2
@@ -317,7 +317,7 @@ def payload_crc32(path: str | Path) -> int:
         while block := f.read(READ_BLOCK_BYTES): crc = zlib.crc32(block, crc)
     return crc
 
-# %% ../nbs/00_tokenization.ipynb #9f467d2f
+# %% ../nbs/00_tokenization.ipynb #2e652980
 def _fsync_folder(folder: Path):
     try: fd = os.open(folder, os.O_RDONLY)
     except OSError: return  # some platforms cannot open a folder; the rename is still atomic
@@ -364,7 +364,7 @@ class ShardWriter:
         if not self.file.closed: self.file.close()
         self.temp_path.unlink(missing_ok=True)
 
-# %% ../nbs/00_tokenization.ipynb #f5e13533
+# %% ../nbs/00_tokenization.ipynb #b3a9f168
 DEFAULT_VAL_TOKENS = 10_000_000
 DEFAULT_SHARD_TOKENS = 250_000_000
 SMALL_CORPUS_VAL_FRACTION = 10       # a corpus of at most val_tokens tokens gives 1/10 of itself to validation
@@ -456,7 +456,7 @@ def write_token_shards(documents: Iterable[str], out_dir: str | Path, name: str,
     return {"documents": document_count, "tokens": token_count, "val_tokens": val,
             "train_tokens": token_count - val, "shards": shards}
 
-# %% ../nbs/00_tokenization.ipynb #e9e3d31b
+# %% ../nbs/00_tokenization.ipynb #7b1bf0a6
 MANIFEST_NAME = "manifest.json"
 _NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -538,7 +538,7 @@ def format_summary(manifest: dict, out_dir: Path, seconds: float, kept: int = 0)
         .replace(", ", ", ..., " if len(shards) > 3 else ", "),
         f"time        {seconds:.2f} s, {manifest['tokens'] / max(seconds, 1e-9):,.0f} tokens/s"])
 
-# %% ../nbs/00_tokenization.ipynb #d8b80ad2
+# %% ../nbs/00_tokenization.ipynb #9d3c08d6
 IGNORE_INDEX = -100      # target value for positions past the end of a chunk (cross_entropy's default ignore_index)
 
 def _check_split(rank: int, world_size: int):
@@ -610,7 +610,7 @@ class TokenFile:
             targets[row, :len(piece) - 1] = piece[1:]
         return inputs, targets
 
-# %% ../nbs/00_tokenization.ipynb #1c25ec0a
+# %% ../nbs/00_tokenization.ipynb #1df2dd2a
 def supervised_batch(pairs: list[tuple[list[int], list[int]]], pad_id: int = EOT_ID) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     "Inputs, targets (B x L, int64) and a loss mask (True where the target is a response token) for (prompt, response) pairs."
     if not pairs: raise ValueError("supervised_batch needs at least one (prompt, response) pair")
@@ -649,7 +649,7 @@ def load_sft_jsonl(path: str | Path) -> list[tuple[list[int], list[int]]]:
     if not pairs: raise ValueError(f"{path}: no examples in this file")
     return pairs
 
-# %% ../nbs/00_tokenization.ipynb #3b9c3871
+# %% ../nbs/00_tokenization.ipynb #ec47a803
 def add_prepare_arguments(parser: argparse.ArgumentParser):
     "Declare the flags of `rtrainer prepare`."
     parser.add_argument("--source", choices=SOURCES, default="python-docs",
@@ -674,7 +674,7 @@ def run_prepare(args: argparse.Namespace) -> int:
                    workers=args.workers, text_field=args.text_field, progress=True)
     return 0
 
-# %% ../nbs/00_tokenization.ipynb #9f3f0048
+# %% ../nbs/00_tokenization.ipynb #fbddf218
 _T_QUANTILE_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
                    10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 19: 2.093, 29: 2.045}
 

@@ -12,7 +12,7 @@ __all__ = ['BUNDLED_DATA', 'CHECKPOINT_FORMAT', 'SHAPE_FIELDS', 'DATASHEET_PEAK_
            'model_config_from_args', 'ensure_bundled_data', 'run_train', 'add_eval_arguments', 'run_eval',
            'add_generate_arguments', 'run_generate']
 
-# %% ../nbs/06_training.ipynb #f4c5ff21
+# %% ../nbs/06_training.ipynb #3a265229
 import argparse, dataclasses, json, math, os, sys, time
 from dataclasses import dataclass, asdict, field
 from pathlib import Path
@@ -29,7 +29,7 @@ from .moe import load_balance_weight
 from .optimizer import AdamW, clip_coefficient, warmup_cosine
 from .model import ModelConfig, TransformerLm, model_config, flops_per_token, parameter_counts, generate
 
-# %% ../nbs/06_training.ipynb #3d138af9
+# %% ../nbs/06_training.ipynb #f2c5f46b
 BUNDLED_DATA = "data/python-docs"
 
 @dataclass
@@ -79,7 +79,7 @@ class TrainConfig:
         if self.resume and self.init_from: raise ValueError("--resume and --init-from are exclusive: resume continues a run, init-from starts a new one")
         return self
 
-# %% ../nbs/06_training.ipynb #76576ef0
+# %% ../nbs/06_training.ipynb #769eb280
 def read_manifest(folder):
     "The shard lists (train paths, held-out paths) of a prepared data folder."
     folder = Path(folder)
@@ -123,7 +123,7 @@ class TrainingData:
                 i += 1; n += 1
                 if max_batches and n >= max_batches: return
 
-# %% ../nbs/06_training.ipynb #79bb36c4
+# %% ../nbs/06_training.ipynb #d09858b5
 CHECKPOINT_FORMAT = "rtrainer-checkpoint-1"
 SHAPE_FIELDS = ["vocab_size", "padded_vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                 "d_ff", "n_experts", "top_k", "expert_d_ff", "moe_layers", "shared_expert"]
@@ -206,7 +206,7 @@ def prune_checkpoints(folder, keep, protect=()):
     for old in found[:-keep] if keep else []:
         if old.resolve() not in protect: old.unlink()
 
-# %% ../nbs/06_training.ipynb #1de8f987
+# %% ../nbs/06_training.ipynb #37d4c04f
 DATASHEET_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "B200": 2250.0, "A100": 312.0}  # dense bf16
 
 def device_peak_tflops(device=None):
@@ -220,7 +220,7 @@ def mfu(tokens_per_s, model_config, seq_len, peak_tflops):
     if not peak_tflops: return None
     return tokens_per_s * flops_per_token(model_config, seq_len) / (peak_tflops * 1e12)
 
-# %% ../nbs/06_training.ipynb #8fe24aee
+# %% ../nbs/06_training.ipynb #ef67045e
 class NonFiniteLoss(RuntimeError):
     "The loss or the gradient norm stopped being finite."
 
@@ -327,8 +327,10 @@ class Trainer:
         total, count = torch.zeros((), device=self.device, dtype=torch.float64), torch.zeros((), device=self.device, dtype=torch.float64)
         mb = self.cfg.eval_batches if max_batches is None else max_batches
         for inputs, targets in self.data.held_out(self.cfg.batch_size, self.cfg.seq_len, mb, self.rank, self.world_size):
+            counted = int((targets != IGNORE_INDEX).sum())      # the last chunk is padded with ignored targets
+            if not counted: continue
             _, lm, _ = self.model(inputs.to(self.device), targets.to(self.device))
-            total += lm.double() * targets.numel(); count += targets.numel()
+            total += lm.double() * counted; count += counted
         self.model.train(was)
         summed = self.reduce_sum(torch.stack([total, count]))
         if summed[1] == 0: return None
@@ -405,7 +407,7 @@ class Trainer:
             if self.is_main: self.log(f"checkpoint: {path}")
         return self.history
 
-# %% ../nbs/06_training.ipynb #0dbc3326
+# %% ../nbs/06_training.ipynb #50193cab
 def load_model(checkpoint, device="auto", impl="auto"):
     "(model, metadata) rebuilt from a checkpoint's own config, weights loaded."
     tensors, meta = read_checkpoint(checkpoint)
@@ -415,7 +417,7 @@ def load_model(checkpoint, device="auto", impl="auto"):
     load_model_weights(model, tensors, checkpoint)
     return model, meta
 
-# %% ../nbs/06_training.ipynb #f789d585
+# %% ../nbs/06_training.ipynb #5608edb7
 SHAPE_OVERRIDES = {"vocab_size": int, "d_model": int, "n_layers": int, "n_heads": int, "n_kv_heads": int, "head_dim": int,
                    "d_ff": int, "max_seq_len": int, "n_experts": int, "top_k": int, "expert_d_ff": int,
                    "capacity_factor": float, "moe_dispatch": str, "impl": str, "precision": str}

@@ -28,6 +28,10 @@ for s in "$@"; do case $s in
   matmul)    stage bench_matmul 150 $PY -c "from rtrainer.matmul import benchmark_suite; benchmark_suite(quick=True)" ;;
   moe)       stage bench_moe 150 $PY -c "from rtrainer.moe import benchmark_suite; benchmark_suite(rounds=3)" ;;
   optimizer) stage bench_optimizer 90 $PY -c "from rtrainer.optimizer import benchmark_suite; benchmark_suite(quick=True)" ;;
+  profile)   stage profile 100 $PY -m rtrainer profile --config prof183m --batch-size 32 ;;
+  versus-*)  c=${s#versus-}; stage "versus_$c" "${VERSUS_LIMIT:-220}" $PY -m rtrainer versus --config "$c" --tiers "${TIERS:-default}" --rounds "${ROUNDS:-2}" --steps 4 --warmup 3 --timeout 160 ;;
+  fsdp)      stage fsdp 160 $PY -c "from rtrainer.distributed import benchmark_suite; print(benchmark_suite(steps=16))" ;;
+  optimizer-full) stage bench_optimizer_full 70 $PY -c "from rtrainer.optimizer import benchmark_suite; benchmark_suite()" ;;
   *) echo "unknown stage $s"; exit 2 ;;
 esac; done
 
