@@ -13,7 +13,7 @@ __all__ = ['IGNORE_INDEX', 'INTERPRETING', 'CAN_LAUNCH_TRITON', 'GEMM_CONFIGS', 
            'FusedLinearCrossEntropy', 'linear_cross_entropy', 'gemm_shapes', 'benchmark_gemm',
            'use_measured_gemm_backends', 'run_gemm_bench', 'benchmark_suite']
 
-# %% ../nbs/01a_matmul.ipynb #44d694bf
+# %% ../nbs/01a_matmul.ipynb #3f8e7b08
 import math, os, sys
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,7 @@ import triton.language as tl
 from .kernels import (register_op, at_least_fp32, main_grad_for_write, mark_main_grad_written,
                               median_ms, save_results, load_results, show_results, machine_metadata)
 
-# %% ../nbs/01a_matmul.ipynb #67330437
+# %% ../nbs/01a_matmul.ipynb #cc346046
 IGNORE_INDEX = -100
 
 def linear_reference(x, weight):
@@ -31,13 +31,13 @@ def linear_reference(x, weight):
 
 def linear_cross_entropy_reference(hidden, weight, targets, vocab_size, ignore_index=IGNORE_INDEX):
     "Mean cross-entropy of fp32 logits hidden (N, D) @ weight (D, VP)[:, :vocab_size] at targets (N,)."
-    logits = at_least_fp32(hidden @ weight)[:, :vocab_size]
+    logits = at_least_fp32(hidden @ weight[:, :vocab_size])   # multiply by the real columns only: no padded logits to copy
     return F.cross_entropy(logits, targets, ignore_index=ignore_index)
 
 register_op("linear", "torch", linear_reference)
 register_op("linear_cross_entropy", "torch", linear_cross_entropy_reference)
 
-# %% ../nbs/01a_matmul.ipynb #b75e636f
+# %% ../nbs/01a_matmul.ipynb #41d01fc4
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 CAN_LAUNCH_TRITON = torch.cuda.is_available() or INTERPRETING  # compiled on a GPU, or the CPU interpreter
 
@@ -111,7 +111,7 @@ def triton_matmul(a, b, out=None, accumulate=False, out_dtype=None):
         matmul_kernel_autotuned[grid](*args, ACCUMULATE=accumulate)
     return out
 
-# %% ../nbs/01a_matmul.ipynb #95a4f3cd
+# %% ../nbs/01a_matmul.ipynb #9d637586
 GEMM_BACKEND: dict = {}          # (M, N, K) -> 'triton' | 'cublas', from benchmark_gemm
 GEMM_DEFAULT_BACKEND = "cublas"  # for shapes that were never measured
 
@@ -142,7 +142,7 @@ def gemm_into_fp32(a, b, out, accumulate):
         return triton_matmul(a, b, out=out, accumulate=accumulate)
     return _cublas_into_fp32(a, b, out, accumulate)
 
-# %% ../nbs/01a_matmul.ipynb #1ea8eea1
+# %% ../nbs/01a_matmul.ipynb #72755593
 class LinearFp32WeightGrad(torch.autograd.Function):
     "y = x @ weight; the weight gradient goes into weight.main_grad in fp32 (overwrite on a step's first write, else add)."
     @staticmethod
@@ -173,7 +173,7 @@ def linear_fp32_weight_grad(x, weight):
 
 register_op("linear", "triton", linear_fp32_weight_grad)
 
-# %% ../nbs/01a_matmul.ipynb #1a12039c
+# %% ../nbs/01a_matmul.ipynb #a86ef9bd
 CE_CHUNK_ROWS = 4096   # rows of logits alive at once
 CE_BLOCK_V = 2048      # vocabulary columns a program handles per iteration
 CE_NUM_WARPS = 8
@@ -229,7 +229,7 @@ def cross_entropy_rows(logits, targets, row_loss, inv_count, vocab_size, ignore_
         logits, targets, row_loss, inv_count, logits.stride(0), vocab_size, logits.shape[1], ignore_index,
         WRITE_GRADIENT=write_gradient, BLOCK_V=CE_BLOCK_V, num_warps=CE_NUM_WARPS)
 
-# %% ../nbs/01a_matmul.ipynb #2dcba081
+# %% ../nbs/01a_matmul.ipynb #7ae7b8e9
 class FusedLinearCrossEntropy(torch.autograd.Function):
     "Mean cross-entropy of hidden @ weight over the real vocabulary, in row chunks; gradients computed in forward."
     @staticmethod
@@ -280,7 +280,7 @@ def linear_cross_entropy(hidden, weight, targets, vocab_size, ignore_index=IGNOR
 
 register_op("linear_cross_entropy", "triton", linear_cross_entropy)
 
-# %% ../nbs/01a_matmul.ipynb #d7b5bbee
+# %% ../nbs/01a_matmul.ipynb #50113bf9
 MODEL_SHAPES = {   # the reference configurations of docs/MEASURING.md, T = 1024
     "rb100m":   dict(vocab_size=32004, padded_vocab_size=32064, d_model=768, n_layers=16, n_heads=12, n_kv_heads=4,
                      head_dim=64, d_ff=1408, batch_size=32, seq_len=1024),
@@ -326,7 +326,7 @@ def gemm_shapes(config, batch_size=None, seq_len=None):
         shapes += [(f"{name}.fwd", M, d_out, d_in), (f"{name}.dgrad", M, d_in, d_out), (f"{name}.wgrad", d_in, d_out, M)]
     return shapes
 
-# %% ../nbs/01a_matmul.ipynb #ee39bebc
+# %% ../nbs/01a_matmul.ipynb #c281cbbf
 def benchmark_gemm(shapes, update_backend=True, device="cuda", dtype=torch.bfloat16):
     "Triton vs cuBLAS TFLOP/s for each (name, M, N, K) in the step's layouts; records the faster in GEMM_BACKEND."
     rows = []

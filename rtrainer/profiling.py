@@ -15,7 +15,7 @@ __all__ = ['T_QUANTILE_975', 'PHASES', 'PROFILE_WARMUP_STEPS', 'CHART_ROWS', 'AR
            'run_profile', 'add_ab_arguments', 'run_ab', 'add_versus_arguments', 'run_versus',
            'add_sweep_arch_arguments', 'run_sweep_arch']
 
-# %% ../nbs/07_profiling.ipynb #8454bd4c
+# %% ../nbs/07_profiling.ipynb #973d0d1b
 import argparse, json, math, os, shutil, statistics, subprocess, sys, tempfile, time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -29,7 +29,7 @@ from .optimizer import policy_dtype, parameter_kind
 from .model import ModelConfig, TransformerLm, model_config, PRESETS, REFERENCE_BATCH, parameter_counts, flops_per_token
 from .training import Trainer, TrainConfig, DATASHEET_PEAK_TFLOPS, device_peak_tflops, mfu, NonFiniteLoss
 
-# %% ../nbs/07_profiling.ipynb #492845a8
+# %% ../nbs/07_profiling.ipynb #f7636e66
 T_QUANTILE_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
                   10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110,
                   18: 2.101, 19: 2.093, 20: 2.086, 25: 2.060, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}
@@ -54,7 +54,7 @@ def spread(values):
     "(mean, sample standard deviation) of a list (sd 0 for one value)."
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
-# %% ../nbs/07_profiling.ipynb #929279f1
+# %% ../nbs/07_profiling.ipynb #c00cc2d0
 def resolve_peak_tflops(peak_tflops=None, device=None, warn=print):
     "The peak to divide by: the given number, else the datasheet entry of this GPU, else None with a warning."
     if peak_tflops: return float(peak_tflops)
@@ -68,7 +68,7 @@ def days_for_tokens(tokens_per_s, tokens=50e9):
     "Days that `tokens` tokens take at `tokens_per_s`."
     return tokens / tokens_per_s / 86400 if tokens_per_s > 0 else float("inf")
 
-# %% ../nbs/07_profiling.ipynb #365e7c3f
+# %% ../nbs/07_profiling.ipynb #a34e3e03
 PHASES = ("forward", "backward", "optimizer")
 PROFILE_WARMUP_STEPS = 2
 CHART_ROWS = 20            # bars in the profile chart
@@ -98,7 +98,7 @@ class ProfilingTrainer(Trainer):
         with self.phase("backward"): loss.backward()
         return lm, lb
 
-# %% ../nbs/07_profiling.ipynb #aca676b9
+# %% ../nbs/07_profiling.ipynb #db058a6b
 def attribute_device_events(ranges, launches, device_events):
     """Rows {name, ms, calls} with names prefixed by phase.
     ranges: [(phase, start_ns, end_ns)] CPU phase ranges; launches: {correlation id: CPU start ns};
@@ -112,7 +112,7 @@ def attribute_device_events(ranges, launches, device_events):
         totals[key] += duration_ns / 1e6; calls[key] += 1
     return sorted(({"name": k, "ms": v, "calls": calls[k]} for k, v in totals.items()), key=lambda r: -r["ms"])
 
-# %% ../nbs/07_profiling.ipynb #0b8ee3f5
+# %% ../nbs/07_profiling.ipynb #d3649a13
 def _activity(e):
     "Kineto activity of an event; torch 2.11's events have no activity_type(), so it is rebuilt from what they do have."
     if hasattr(e, "activity_type"): return str(e.activity_type()).lower()
@@ -177,7 +177,7 @@ def profile_step(trainer, warmup=PROFILE_WARMUP_STEPS):
     return dict(method=method, device=str(trainer.device), full_step_ms=full_ms, unprofiled_step_ms=unprofiled_ms,
                 phases_ms=phases, kernel_sum_ms=kernel_sum, unattributed_ms=full_ms - kernel_sum, loss=row["loss"], rows=rows)
 
-# %% ../nbs/07_profiling.ipynb #a4039ec5
+# %% ../nbs/07_profiling.ipynb #29e3bfed
 def profile_trainer(config="tiny", batch_size=None, seq_len=None, impl="auto", device="auto", **overrides):
     "A ProfilingTrainer on synthetic tokens for `config` (reference batch and T = 1024 by default)."
     seq_len = seq_len or (1024 if config in REFERENCE_BATCH else 64)
@@ -216,7 +216,7 @@ def profile_chart(report, path, top=CHART_ROWS):
     fig.tight_layout(); Path(path).parent.mkdir(parents=True, exist_ok=True); fig.savefig(path); plt.close(fig)
     return path
 
-# %% ../nbs/07_profiling.ipynb #10dc4d30
+# %% ../nbs/07_profiling.ipynb #6b81cd2b
 class Worktree:
     "A detached git worktree of `ref` in a temporary folder (a context manager that removes it)."
     def __init__(self, ref, repo=None):
@@ -255,7 +255,7 @@ def run_in_worktree(tree, argv, timeout=None, cwd=None, env=None):
     return subprocess.run([sys.executable, "-c", ARM_GUARD, *argv], cwd=cwd or tree.path, env=env or tree.env(), capture_output=True,
                           text=True, timeout=timeout)
 
-# %% ../nbs/07_profiling.ipynb #0660d7de
+# %% ../nbs/07_profiling.ipynb #063f924d
 def tokens_per_s_from_metrics(path, warmup, tokens_per_step):
     "Tokens/s over the training rows after the first `warmup` steps of a metrics.jsonl logged every step."
     rows = [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
@@ -331,7 +331,7 @@ def ab(ref, baseline_ref, config="tiny", rounds=3, steps=10, warmup=2, batch_siz
     print_summary(rows, f"ab {config} B={batch_size} T={seq_len}: {rounds} rounds of {steps} steps after {warmup} (ratio A/B)")
     return rows
 
-# %% ../nbs/07_profiling.ipynb #acf18e19
+# %% ../nbs/07_profiling.ipynb #ba70b3a8
 def _widen(t): return t.to(torch.promote_types(t.dtype, torch.float32))   # fp32, or fp64 for a float64 check
 
 def _plain_rms_norm(x, weight, eps):
@@ -439,7 +439,7 @@ class PlainTransformer(nn.Module):
         loss = F.cross_entropy(logits.reshape(-1, c.vocab_size), targets.reshape(-1))
         return loss + load_balance_weight * lb, loss   # (not loss.detach(): compiled, that output made both lose their grad)
 
-# %% ../nbs/07_profiling.ipynb #27d61abb
+# %% ../nbs/07_profiling.ipynb #0c055b3c
 def plain_parameter_counts(model):
     "The baseline's parameters by rtrainer's terms (embedding, lm_head, norms, attention, ffn) and the total."
     counts = dict(embedding=0, lm_head=0, norms=0, attention=0, ffn=0)
@@ -469,7 +469,7 @@ def dtype_census(model, moments=None):
         census["moments"] = dict(m)
     return census
 
-# %% ../nbs/07_profiling.ipynb #975f0083
+# %% ../nbs/07_profiling.ipynb #cd5c2bc8
 class PlainAdamW:
     "AdamW of the precision policy in stock torch ops (a per-tensor loop, so torch.compile can fuse it)."
     def __init__(self, named_parameters, lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, clip=1.0):
@@ -501,7 +501,7 @@ class PlainAdamW:
     def zero_grad(self):
         for p in self.params: p.grad = None
 
-# %% ../nbs/07_profiling.ipynb #790aa681
+# %% ../nbs/07_profiling.ipynb #87ff2cb5
 TIERS = ("eager", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
 ARM_RESULT_PREFIX = "RTRAINER_ARM_RESULT "
 
@@ -608,7 +608,7 @@ def run_arm_process(spec, timeout=None):
     status = "out of memory" if "out of memory" in tail.lower() else f"failed (exit {r.returncode}): {tail}"
     return dict(arm=spec["arm"], status=status)
 
-# %% ../nbs/07_profiling.ipynb #5eaa71d1
+# %% ../nbs/07_profiling.ipynb #b4671091
 def versus(config="tiny", tiers=("eager", "default"), rounds=3, steps=10, warmup=3, batch_size=None, seq_len=None,
            peak_tflops=None, save=True, timeout=None, log=print, isolate=True, **overrides):
     "rtrainer against the plain PyTorch baseline tiers, alternated; returns (summary rows, raw results). isolate=False: arms in this process (CPU demos only)."
@@ -636,7 +636,7 @@ def versus(config="tiny", tiers=("eager", "default"), rounds=3, steps=10, warmup
     if save: log(f"saved {save_results(f'versus_{config}', rows, raw=results)}")
     return rows, results
 
-# %% ../nbs/07_profiling.ipynb #9fa81039
+# %% ../nbs/07_profiling.ipynb #a945d0df
 def sweep_arch(config, batch_size=None, seq_len=None, warmup=2, steps=1, peak_tflops=None, log=print, isolate=True, **overrides):
     "Step time, peak memory, tokens/s, MFU and days for 50B tokens of one configuration (own process); the result dict."
     seq_len = seq_len or (1024 if config in REFERENCE_BATCH else 64)
@@ -658,7 +658,7 @@ def sweep_arch(config, batch_size=None, seq_len=None, warmup=2, steps=1, peak_tf
     else: log(f"{config}: {res.get('status')}")
     return res
 
-# %% ../nbs/07_profiling.ipynb #82e16999
+# %% ../nbs/07_profiling.ipynb #d772d4b9
 CHANGED_FRACTION = 0.05     # a row "changed" when it moved by more than 5% ...
 CHANGED_MIN_MS = 0.01       # ... and by more than 10 microseconds
 

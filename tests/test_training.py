@@ -92,8 +92,9 @@ def test_keep_last_k_and_outputs(tmp_path, corpus):
     assert names == ["step-00000004.safetensors", "step-00000005.safetensors"]
     rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5]
-    assert all(k in rows[0] for k in ["lr", "loss", "grad_norm", "tokens_per_s"])
-    ev = [r for r in rows if "val_loss" in r][0]
+    assert all(k in next(r for r in rows if "loss" in r) for k in ["lr", "loss", "grad_norm", "tokens_per_s"])
+    assert rows[0]["step"] == 0 and rows[0]["val_loss"] > 10  # the untrained model, evaluated before step 1
+    ev = [r for r in rows if "val_loss" in r][-1]
     assert ev["val_ppl"] > 1 and isinstance(ev["sample"], str)
     assert (tmp_path / "run" / "loss_curve.png").stat().st_size > 1000
 
