@@ -12,7 +12,7 @@ __all__ = ['MULTICAST_OFF', 'DIST_TIMEOUT_S', 'DATA_PARALLEL', 'WEIGHT_GRAD_OPS'
            'prune_distributed_checkpoints', 'export_checkpoint', 'add_distributed_arguments', 'wait_for_bundled_data',
            'run_distributed_train', 'main', 'benchmark_suite']
 
-# %% ../nbs/08_distributed.ipynb #0a393dd2
+# %% ../nbs/08_distributed.ipynb #f09253a6
 import argparse, dataclasses, datetime, json, math, os, shutil, signal, subprocess, sys, tempfile, time, warnings
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -34,7 +34,7 @@ from .training import (Trainer, TrainConfig, NonFiniteLoss, CHECKPOINT_FORMAT, a
                                train_config_from_args, model_config_from_args, ensure_bundled_data, read_checkpoint,
                                check_same_shape, atomic_save_safetensors, device_peak_tflops, BUNDLED_DATA)
 
-# %% ../nbs/08_distributed.ipynb #78b7520d
+# %% ../nbs/08_distributed.ipynb #7b17f95b
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 DIST_TIMEOUT_S = 120          # default collective timeout: a dead rank makes the others fail after this long
 DATA_PARALLEL = ("fsdp", "ddp")
@@ -63,7 +63,7 @@ def launch_torchrun(nproc, argv):
     "Run `torchrun --standalone --nproc-per-node nproc -m rtrainer <argv without --nproc>`; returns its exit status."
     return subprocess.run(torchrun_command(nproc, argv), env=worker_environment()).returncode
 
-# %% ../nbs/08_distributed.ipynb #12ba111a
+# %% ../nbs/08_distributed.ipynb #fbfd01df
 def distributed_environment():
     "(rank, world_size, local_rank) from torchrun's environment; (0, 1, 0) outside torchrun."
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
@@ -83,7 +83,7 @@ def init_distributed(device="auto", timeout_s=None):
                                 timeout=timeout, **({"device_id": device} if device.type == "cuda" else {}))
     return rank, world_size, device
 
-# %% ../nbs/08_distributed.ipynb #3070cfec
+# %% ../nbs/08_distributed.ipynb #6f4b79a4
 class ShardableBlock(Block):
     "A Block with a forward (the pending residual add and its own attn_norm first), so FSDP2's hooks fire per block."
     def forward(self, h, residual, lm):
@@ -108,7 +108,7 @@ class ShardableTransformerLm(TransformerLm):
         x, _ = self.op["add_rms_norm"](h, residual, self.final_norm, c.norm_eps)
         return x
 
-# %% ../nbs/08_distributed.ipynb #a988a2e8
+# %% ../nbs/08_distributed.ipynb #bf3d5719
 def local_tensor(t): return t.to_local() if isinstance(t, DTensor) else t
 
 class ShardedAdamW(AdamW):
@@ -137,12 +137,7 @@ class ShardedAdamW(AdamW):
         if self.group is not None: dist.all_reduce(sharded, op=dist.ReduceOp.SUM, group=self.group)
         return (sharded + self._sum_of_squares([g for i, g in grads if not isinstance(self.params[i], DTensor)])).sqrt()
 
-    def moments(self, i):
-        name, p = self.names[i], local_tensor(self.params[i])
-        if name not in self.exp_avg:
-            self.exp_avg[name] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-            self.exp_avg_sq[name] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-        return self.exp_avg[name], self.exp_avg_sq[name]
+    def local(self, p): return local_tensor(p)
 
     @torch.no_grad()
     def step(self, lr=None, grad_scale=1.0):
@@ -162,7 +157,7 @@ class ShardedAdamW(AdamW):
                                         if isinstance(p, DTensor) else m)
         return out
 
-# %% ../nbs/08_distributed.ipynb #304f18e0
+# %% ../nbs/08_distributed.ipynb #46dc6173
 WEIGHT_GRAD_OPS = ("linear", "embedding", "linear_cross_entropy")
 
 def use_autograd_weight_grads(model):
@@ -172,7 +167,7 @@ def use_autograd_weight_grads(model):
         if blk.moe is not None: blk.moe.impl = "torch"
     return model
 
-# %% ../nbs/08_distributed.ipynb #9596c482
+# %% ../nbs/08_distributed.ipynb #4cb3765a
 def _kill_switch(rank, step):
     "Test hook: RTRAINER_TEST_KILL_RANK / RTRAINER_TEST_KILL_STEP make that rank SIGKILL itself before that step."
     r, s = os.environ.get("RTRAINER_TEST_KILL_RANK"), os.environ.get("RTRAINER_TEST_KILL_STEP")
@@ -366,7 +361,7 @@ def _all_moments(optimizer):
     for i in range(len(optimizer.params)): optimizer.moments(i)
     return optimizer.state_tensors()
 
-# %% ../nbs/08_distributed.ipynb #37565a04
+# %% ../nbs/08_distributed.ipynb #97a5402b
 def checkpoint_metadata(model_config, optimizer, step, train_config=None, extra=None):
     "The metadata dict of a checkpoint (the same keys as training.save_checkpoint writes)."
     return dict(format=CHECKPOINT_FORMAT, step=step, model_config=model_config.to_dict(),
@@ -428,7 +423,7 @@ def export_checkpoint(dcp_path, out_file):
         dcp.load(state, checkpoint_id=str(folder), no_dist=True)
     return atomic_save_safetensors(state, out_file, {"rtrainer": json.dumps(meta, default=list)})
 
-# %% ../nbs/08_distributed.ipynb #8e283666
+# %% ../nbs/08_distributed.ipynb #857de615
 def add_distributed_arguments(p):
     "The flag the distributed trainer adds to `rtrainer train` (no-op when the parser already has it)."
     if "--dp" in p._option_string_actions: return
@@ -479,10 +474,10 @@ def main(argv=None):
     add_train_arguments(p); add_distributed_arguments(p)
     return run_distributed_train(p.parse_args(argv))
 
-# %% ../nbs/08_distributed.ipynb #488371f5
+# %% ../nbs/08_distributed.ipynb #f07d03d3
 if __name__ == "__main__": sys.exit(main())
 
-# %% ../nbs/08_distributed.ipynb #0b36d99e
+# %% ../nbs/08_distributed.ipynb #2fbcf15e
 def _train_tokens_per_s(cmd, out_dir, timeout):
     subprocess.run(cmd, env=worker_environment(), check=True, timeout=timeout)
     rows = [r for r in map(json.loads, open(Path(out_dir) / "metrics.jsonl")) if "tokens_per_s" in r]

@@ -7,25 +7,25 @@ Docs: https://example.invalid/rtrainer/rtrainer/moe.html.md"""
 # %% auto #0
 __all__ = ['GROUPED_GEMM_BLOCK_M', 'ROW_BLOCK', 'route_tokens', 'load_balance_loss', 'load_balance_weight', 'expert_capacity',
            'capacity_slots', 'expert_swiglu_reference', 'capacity_moe_reference', 'dropless_moe_reference',
-           'interpreting', 'kernels_available', 'grouped_gemm_kernel', 'grouped_gemm_weight_grad_kernel',
-           'grouped_gemm_triton', 'grouped_gemm_weight_grad_triton', 'grouped_gemm_reference', 'gather_rows_kernel',
-           'combine_rows_kernel', 'gather_rows_triton', 'combine_rows_triton', 'RoutingPlan', 'capacity_plan',
-           'dropless_plan', 'PermuteRows', 'CombineRows', 'GroupedGemm', 'moe_experts_triton', 'MoeFeedForward',
-           'moe_parameter_count', 'naive_moe_loop', 'check_moe_against_loop', 'compare_triton_to_torch',
-           'accumulation_gradients', 'benchmark_suite']
+           'grouped_gemm_kernel', 'grouped_gemm_weight_grad_kernel', 'grouped_gemm_triton',
+           'grouped_gemm_weight_grad_triton', 'grouped_gemm_reference', 'gather_rows_kernel', 'combine_rows_kernel',
+           'gather_rows_triton', 'combine_rows_triton', 'RoutingPlan', 'capacity_plan', 'dropless_plan', 'PermuteRows',
+           'CombineRows', 'GroupedGemm', 'moe_experts_triton', 'MoeFeedForward', 'moe_parameter_count',
+           'naive_moe_loop', 'check_moe_against_loop', 'compare_triton_to_torch', 'accumulation_gradients',
+           'benchmark_suite']
 
-# %% ../nbs/03_moe.ipynb #f96e3d64
+# %% ../nbs/03_moe.ipynb #3d1c6f69
 import math, os, time
 from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from .kernels import (register_op, get_op, resolve_impl, at_least_fp32, swiglu_reference, main_grad_for_write,
+from .kernels import (INTERPRETING, KERNELS_CAN_RUN, register_op, get_op, resolve_impl, at_least_fp32, swiglu_reference, main_grad_for_write,
                               mark_main_grad_written, start_gradient_step, gradient_fp32, median_ms, save_results, show_results)
 from .matmul import linear_reference    # also registers the "linear" op used by the shared expert
 
-# %% ../nbs/03_moe.ipynb #38c0083d
+# %% ../nbs/03_moe.ipynb #fdf33dcc
 def route_tokens(x, router, top_k):
     "(probs (N, E), top_experts (N, k) int64, top_weights (N, k)): softmax router, top-k, weights renormalized to sum to 1."
     logits = x.to(router.dtype) @ router                       # (N, E) in the router's dtype (fp32 or fp64)
@@ -34,7 +34,7 @@ def route_tokens(x, router, top_k):
     top_weights = top_probs / top_probs.sum(-1, keepdim=True)
     return probs, top_experts, top_weights
 
-# %% ../nbs/03_moe.ipynb #ba8202bb
+# %% ../nbs/03_moe.ipynb #cd85187a
 def load_balance_loss(probs, top_experts):
     "E * sum_e(fraction of assignments to e * mean router probability of e); gradient flows through probs only."
     n_experts = probs.shape[-1]
@@ -48,7 +48,7 @@ def load_balance_weight(step, initial=1e-2, decay_steps=10_000):
     if decay_steps <= 0: raise ValueError(f"load_balance_weight: decay_steps must be positive, got {decay_steps}")
     return initial * max(0.0, 1.0 - step / decay_steps)
 
-# %% ../nbs/03_moe.ipynb #130e5160
+# %% ../nbs/03_moe.ipynb #1f5f8d94
 def expert_capacity(n_tokens, top_k, n_experts, capacity_factor):
     "Slots per expert: ceil(capacity_factor * n_tokens * top_k / n_experts)."
     if capacity_factor <= 0: raise ValueError(f"expert_capacity: capacity_factor must be positive, got {capacity_factor}")
@@ -63,7 +63,7 @@ def capacity_slots(top_experts, n_experts, capacity):
     slot = torch.where(kept, flat * capacity + position, n_experts * capacity)
     return slot, kept
 
-# %% ../nbs/03_moe.ipynb #45ee31e4
+# %% ../nbs/03_moe.ipynb #ab87ed0c
 def expert_swiglu_reference(rows, gate_up, down):
     "SwiGLU expert on rows (R, D) with one expert's gate_up (D, 2FF) and down (FF, D), or batched (E, C, D)."
     return swiglu_reference(rows @ gate_up) @ down
@@ -83,7 +83,7 @@ def capacity_moe_reference(x, top_experts, top_weights, gate_up, down, capacity_
     y = (gathered * top_weights.to(gathered.dtype)[..., None]).sum(1).to(x.dtype)
     return y, 1 - kept.float().mean()
 
-# %% ../nbs/03_moe.ipynb #4d7f46b1
+# %% ../nbs/03_moe.ipynb #27ca525c
 def dropless_moe_reference(x, top_experts, top_weights, gate_up, down):
     "(y (N, D), dropped_fraction=0): assignments sorted by expert, each expert run on its whole group."
     N, D = x.shape
@@ -99,28 +99,21 @@ def dropless_moe_reference(x, top_experts, top_weights, gate_up, down):
     y = weighted.new_zeros(N, D).index_add(0, token_of_row, weighted).to(x.dtype)
     return y, x.new_zeros((), dtype=torch.float32)
 
-# %% ../nbs/03_moe.ipynb #7151611e
+# %% ../nbs/03_moe.ipynb #7b8f73cf
 GROUPED_GEMM_BLOCK_M = 128   # rows per tile; fixed (not autotuned) because the tile table depends on it
 ROW_BLOCK = 1024             # elements of a row handled per step by the permute / combine kernels
 
-def interpreting():
-    "True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-def kernels_available():
-    "True when a Triton kernel can run here: a CUDA GPU, or the interpreter."
-    return torch.cuda.is_available() or interpreting()
 
 def _dot_precision(dtype):
     return "ieee" if dtype == torch.float32 else None      # fp32 tests want true fp32 products, not TF32
 
 def _gemm_configs():
-    if interpreting(): return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4, num_stages=1)]
+    if INTERPRETING: return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4, num_stages=1)]
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
             for bn, bk, w, s in [(128, 64, 4, 4), (128, 64, 8, 3), (256, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4)]]
 
 def _weight_grad_configs():
-    if interpreting(): return [triton.Config({"BLOCK_K": 32, "BLOCK_N": 32, "BLOCK_R": 16}, num_warps=4, num_stages=1)]
+    if INTERPRETING: return [triton.Config({"BLOCK_K": 32, "BLOCK_N": 32, "BLOCK_R": 16}, num_warps=4, num_stages=1)]
     return [triton.Config({"BLOCK_K": bk, "BLOCK_N": bn, "BLOCK_R": br}, num_warps=w, num_stages=s)
             for bk, bn, br, w, s in [(128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4)]]
 
@@ -202,14 +195,14 @@ def grouped_gemm_weight_grad_kernel(
     if ACCUMULATE: acc += tl.load(ptrs, mask=mask, other=0.0)
     tl.store(ptrs, acc, mask=mask)
 
-# %% ../nbs/03_moe.ipynb #3b9cfb77
+# %% ../nbs/03_moe.ipynb #448aab17
 def _tile_offsets(group_starts, group_ends, block_m):
     tiles = (group_ends - group_starts + block_m - 1) // block_m
     return torch.cat([tiles.new_zeros(1), tiles.cumsum(0)]).to(torch.int32)
 
 def grouped_gemm_triton(rows, weight, group_starts, group_ends, block_m=None, out=None):
     "out[r] = rows[r] @ weight[g] for every row r of group g (rows group_starts[g]..group_ends[g]); other rows untouched."
-    if not kernels_available(): raise RuntimeError("grouped_gemm_triton: needs a CUDA GPU or TRITON_INTERPRET=1")
+    if not KERNELS_CAN_RUN: raise RuntimeError("grouped_gemm_triton: needs a CUDA GPU or TRITON_INTERPRET=1")
     block_m = block_m or GROUPED_GEMM_BLOCK_M
     R, K = rows.shape
     G, K_w, N = weight.shape
@@ -227,7 +220,7 @@ def grouped_gemm_triton(rows, weight, group_starts, group_ends, block_m=None, ou
 
 def grouped_gemm_weight_grad_triton(rows, grad_out, group_starts, group_ends, out, accumulate=False):
     "out[g] (fp32, (G, K, N)) = (or +=) rows[group g]^T @ grad_out[group g]; an empty group gives zero."
-    if not kernels_available(): raise RuntimeError("grouped_gemm_weight_grad_triton: needs a CUDA GPU or TRITON_INTERPRET=1")
+    if not KERNELS_CAN_RUN: raise RuntimeError("grouped_gemm_weight_grad_triton: needs a CUDA GPU or TRITON_INTERPRET=1")
     G, K, N = out.shape
     starts, ends = group_starts.to(torch.int32), group_ends.to(torch.int32)
     grid = lambda meta: (triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"]), G)
@@ -247,7 +240,7 @@ def grouped_gemm_reference(rows, weight, group_starts, group_ends):
 register_op("moe_grouped_gemm", "torch", grouped_gemm_reference)
 register_op("moe_grouped_gemm", "triton", grouped_gemm_triton)
 
-# %% ../nbs/03_moe.ipynb #b782e569
+# %% ../nbs/03_moe.ipynb #7b1901f5
 @triton.jit
 def gather_rows_kernel(
     src_ptr,        # (S, D) source rows
@@ -319,7 +312,7 @@ def combine_rows_triton(src, assignment_rows, weights=None, out_dtype=None):
                                                       TOP_K=top_k, HAS_WEIGHTS=weights is not None, BLOCK_D=block_d)
     return out
 
-# %% ../nbs/03_moe.ipynb #9d759fa4
+# %% ../nbs/03_moe.ipynb #2b8bf2ff
 @dataclass
 class RoutingPlan:
     "Where each assignment's row lives in the expert buffer (see the chapter for the meaning of each field)."
@@ -420,7 +413,7 @@ def moe_experts_triton(x, top_weights, plan, gate_up, down, block_m=None, write_
     expert_out = GroupedGemm.apply(swiglu(hidden), down, plan.group_starts, plan.group_ends, block_m, write_main_grad)
     return CombineRows.apply(expert_out, top_weights, plan.assignment_rows, plan.row_assignment)
 
-# %% ../nbs/03_moe.ipynb #aeacd1c4
+# %% ../nbs/03_moe.ipynb #6224784a
 class MoeFeedForward(torch.nn.Module):
     "Top-k mixture of SwiGLU experts (capacity or dropless dispatch) plus an optional shared expert; x (N, D) -> (N, D)."
     def __init__(self, d_model, expert_d_ff, n_experts, top_k, capacity_factor=1.0, dispatch="capacity",
@@ -429,7 +422,7 @@ class MoeFeedForward(torch.nn.Module):
         if dispatch not in ("capacity", "dropless"): raise ValueError(f"MoeFeedForward: dispatch must be 'capacity' or 'dropless', got {dispatch!r}")
         if not 1 <= top_k <= n_experts: raise ValueError(f"MoeFeedForward: need 1 <= top_k <= n_experts, got top_k={top_k}, n_experts={n_experts}")
         self.impl = resolve_impl(impl, device or "cpu")
-        if self.impl == "triton" and not kernels_available():
+        if self.impl == "triton" and not KERNELS_CAN_RUN:
             raise ValueError("MoeFeedForward: impl='triton' needs a CUDA GPU or TRITON_INTERPRET=1")
         self.d_model, self.expert_d_ff, self.n_experts, self.top_k = d_model, expert_d_ff, n_experts, top_k
         self.capacity_factor, self.dispatch, self.shared_expert_d_ff = capacity_factor, dispatch, shared_expert_d_ff
@@ -477,7 +470,7 @@ def moe_parameter_count(d_model, expert_d_ff, n_experts, shared_expert_d_ff=0):
     "Parameters of one MoE layer: router + E experts (gate_up and down) + the shared expert."
     return d_model * n_experts + n_experts * 3 * d_model * expert_d_ff + 3 * d_model * shared_expert_d_ff
 
-# %% ../nbs/03_moe.ipynb #fc2b3610
+# %% ../nbs/03_moe.ipynb #37eb1243
 def naive_moe_loop(x, layer, capacity=None):
     "(y, load_balance_loss): a float64-friendly per-token loop over `layer`'s weights; capacity=None means dropless."
     E, k = layer.n_experts, layer.top_k
@@ -523,7 +516,7 @@ def check_moe_against_loop(layer, N, seed=0, dtype=torch.float64):
     pairs = [(y, y_loop), (layer.last_stats["load_balance_loss"], lb_loop)] + list(zip(grads, grads_loop))
     return {n: ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item() for n, (a, b) in zip(names, pairs)}
 
-# %% ../nbs/03_moe.ipynb #e21a7086
+# %% ../nbs/03_moe.ipynb #03e72245
 def compare_triton_to_torch(d_model, expert_d_ff, n_experts, top_k, N, dispatch, capacity_factor=1.0, shared_expert_d_ff=0,
                             dtype=torch.float32, device="cpu", block_m=None, seed=0):
     "Relative errors (float64 torch layer as the oracle) of the Triton layer's output and every gradient, same weights."
@@ -550,7 +543,7 @@ def compare_triton_to_torch(d_model, expert_d_ff, n_experts, top_k, N, dispatch,
         errors[name] = rel(gradient_fp32(p), p64.grad)
     return errors
 
-# %% ../nbs/03_moe.ipynb #8c7954e5
+# %% ../nbs/03_moe.ipynb #7739a8a3
 def accumulation_gradients(layer, sequences, probe, micro_batch):
     "(lm-like gradient, load-balance gradient) of the router, averaged over micro-batches of `micro_batch` sequences."
     n_micro = sequences.shape[0] // micro_batch
@@ -562,7 +555,7 @@ def accumulation_gradients(layer, sequences, probe, micro_batch):
         lb_grad += torch.autograd.grad(layer.last_stats["load_balance_loss"], layer.router)[0] / n_micro
     return lm_grad, lb_grad
 
-# %% ../nbs/03_moe.ipynb #6321fe07
+# %% ../nbs/03_moe.ipynb #ce94924c
 _T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}   # Student t, 95% two-sided
 
 def _moe_layer_step(layer, x, grad_y, params):

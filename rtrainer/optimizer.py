@@ -13,7 +13,7 @@ __all__ = ['PRECISIONS', 'CLIP_EPS', 'ADAMW_BLOCK_SIZE', 'ADAMW_CHUNK_SIZE', 'AD
            'sum_of_squares_multi_tensor_kernel', 'kernels_can_run', 'chunk_plan', 'fused_adamw_update',
            'fused_grad_norm', 'random_adamw_work', 'clone_work', 'compare_work', 'benchmark_suite']
 
-# %% ../nbs/04_optimizer.ipynb #1f9463da
+# %% ../nbs/04_optimizer.ipynb #21e65ee1
 import math, os, struct
 import torch
 import triton
@@ -21,7 +21,7 @@ import triton.language as tl
 from .kernels import (get_op, register_op, resolve_impl, start_gradient_step, gradient_fp32,
                               median_ms, save_results, show_results, machine_metadata)
 
-# %% ../nbs/04_optimizer.ipynb #3fe8d08f
+# %% ../nbs/04_optimizer.ipynb #5903afa7
 PRECISIONS = ("bf16", "fp32")
 
 def parameter_kind(name):
@@ -42,7 +42,7 @@ def apply_precision_policy(model, precision):
         param.data = param.data.to(policy_dtype(name, precision))
     return model
 
-# %% ../nbs/04_optimizer.ipynb #07bca39a
+# %% ../nbs/04_optimizer.ipynb #8eb0637d
 def fp32_scalar(x):
     "The Python float `x` rounded to the nearest fp32 value (so every backend multiplies by the same number)."
     return struct.unpack("f", struct.pack("f", float(x)))[0]
@@ -83,7 +83,7 @@ def grad_norm_reference(grads):
 register_op("adamw_update_all", "torch", adamw_update_all_reference)
 register_op("grad_norm", "torch", grad_norm_reference)
 
-# %% ../nbs/04_optimizer.ipynb #1b6b77bb
+# %% ../nbs/04_optimizer.ipynb #bb681fb9
 class AdamW:
     "AdamW of the precision policy: fp32 moments, fp32 math on widened masters, decoupled decay on matrices."
     def __init__(self, named_parameters, lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, impl="torch"):
@@ -113,9 +113,13 @@ class AdamW:
         if not grads: return torch.zeros((), dtype=torch.float32, device=self.params[0].device)
         return get_op("grad_norm", self.impl)(grads)
 
+    def local(self, p):
+        "The tensor this optimizer updates for parameter p (the distributed chapter's sharded AdamW returns the rank's shard)."
+        return p
+
     def moments(self, i):
         "The (exp_avg, exp_avg_sq) of parameter i, created as fp32 zeros on first use."
-        name, p = self.names[i], self.params[i]
+        name, p = self.names[i], self.local(self.params[i])
         if name not in self.exp_avg:
             self.exp_avg[name] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
             self.exp_avg_sq[name] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
@@ -171,7 +175,7 @@ class AdamW:
         return dict(lr=self.lr, betas=list(self.betas), eps=self.eps, weight_decay=self.weight_decay,
                     step_count=self.step_count, impl=self.impl)
 
-# %% ../nbs/04_optimizer.ipynb #b5281664
+# %% ../nbs/04_optimizer.ipynb #73af878e
 CLIP_EPS = 1e-6
 
 def clip_coefficient(norm, max_norm):
@@ -184,7 +188,7 @@ def clip_grad_norm(optimizer, max_norm):
     norm = float(optimizer.grad_norm())
     return norm, clip_coefficient(norm, max_norm)
 
-# %% ../nbs/04_optimizer.ipynb #0b5a7e43
+# %% ../nbs/04_optimizer.ipynb #72d52c90
 def warmup_cosine(step, peak_lr, warmup_steps, total_steps, floor=0.1):
     "Linear warmup to `peak_lr` over `warmup_steps`, cosine decay to `floor * peak_lr` at `total_steps`, held after."
     if step < 0 or warmup_steps < 0 or total_steps < warmup_steps or not 0 <= floor <= 1:
@@ -201,7 +205,7 @@ def constant(step, lr):
     if step < 0: raise ValueError(f"constant: step must be >= 0, got {step}")
     return lr
 
-# %% ../nbs/04_optimizer.ipynb #9bc2aacd
+# %% ../nbs/04_optimizer.ipynb #1a11c3bb
 ADAMW_BLOCK_SIZE = 1024     # elements one program handles per loop iteration
 ADAMW_CHUNK_SIZE = 65536    # elements per program (a multiple of ADAMW_BLOCK_SIZE); chunks never cross tensors
 ADAMW_NUM_WARPS = 4         # warps per program
@@ -293,7 +297,7 @@ def sum_of_squares_multi_tensor_kernel(
         acc += g * g
     tl.store(partial_sums + chunk, tl.sum(acc, axis=0))
 
-# %% ../nbs/04_optimizer.ipynb #544337fa
+# %% ../nbs/04_optimizer.ipynb #144a65a2
 def kernels_can_run(device):
     "True when Triton kernels can run on `device`: a CUDA device, or any device under TRITON_INTERPRET=1."
     return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
@@ -368,7 +372,7 @@ def fused_grad_norm(grads):
 register_op("adamw_update_all", "triton", fused_adamw_update)
 register_op("grad_norm", "triton", fused_grad_norm)
 
-# %% ../nbs/04_optimizer.ipynb #277fde67
+# %% ../nbs/04_optimizer.ipynb #3a8d11bf
 def random_adamw_work(specs, device, seed=0):
     "Random (param, grad, exp_avg, exp_avg_sq, decay) for each (shape, dtype, decay) of `specs`; never zeros."
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -390,7 +394,7 @@ def compare_work(got, expected):
             worst_ulps = max(worst_ulps, ((x.double() - y.double()).abs() / ulp).max().item())
     return differ, worst_ulps
 
-# %% ../nbs/04_optimizer.ipynb #c95bcb1a
+# %% ../nbs/04_optimizer.ipynb #d3384d22
 BENCHMARK_MATRICES = 24              # bf16 matrices (each with an fp32 norm vector of its width) in the benchmark state
 BENCHMARK_MATRIX = (4096, 1024)      # 24 x 4M = 100.7M bf16 parameters, 2.4 GB moved per step
 BENCHMARK_QUICK_MATRIX = (2048, 1024)

@@ -31,3 +31,10 @@ def test_train_on_two_processes_through_torchrun(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["world_size"] for row in rows if "loss" in row] == [2, 2]
+
+
+def test_bench_gemm_is_wired_and_needs_a_gpu(capsys):
+    import torch
+    if torch.cuda.is_available(): pytest.skip("checks the no-GPU message")
+    assert main(["bench", "gemm", "--model-shapes", "rb100m"]) == 1
+    assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -8,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import rtrainer.matmul as mm
 from rtrainer.kernels import get_op, start_gradient_step, gradient_fp32
 
-needs_triton = pytest.mark.skipif(not mm.CAN_LAUNCH_TRITON, reason="needs TRITON_INTERPRET=1 or a GPU")
+needs_triton = pytest.mark.skipif(not mm.KERNELS_CAN_RUN, reason="needs TRITON_INTERPRET=1 or a GPU")
 
 def relative_error(actual, expected):
     expected = expected.double()
@@ -18,7 +18,7 @@ def relative_error(actual, expected):
 
 @pytest.fixture(params=["cublas", "triton"])
 def backend(request, monkeypatch):
-    if request.param == "triton" and not mm.CAN_LAUNCH_TRITON: pytest.skip("needs the interpreter")
+    if request.param == "triton" and not mm.KERNELS_CAN_RUN: pytest.skip("needs the interpreter")
     monkeypatch.setattr(mm, "GEMM_DEFAULT_BACKEND", request.param)
     return request.param
 
