@@ -6,15 +6,10 @@ import pytest, torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 import rtrainer.matmul as mm
-from rtrainer.kernels import get_op, start_gradient_step, gradient_fp32
+from rtrainer.kernels import get_op, start_gradient_step, gradient_fp32, relative_error
 
 needs_triton = pytest.mark.skipif(not mm.KERNELS_CAN_RUN, reason="needs TRITON_INTERPRET=1 or a GPU")
 
-def relative_error(actual, expected):
-    expected = expected.double()
-    err = ((actual.double() - expected).norm() / expected.norm()).item()
-    print(f"relative error {err:.2e}")
-    return err
 
 @pytest.fixture(params=["cublas", "triton"])
 def backend(request, monkeypatch):

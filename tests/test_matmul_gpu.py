@@ -1,16 +1,11 @@
 "GPU tests of rtrainer.matmul in bf16 against float64 (run on the GPU machine: pytest -m cuda tests/test_matmul_gpu.py)."
 import pytest, torch
 import rtrainer.matmul as mm
-from rtrainer.kernels import start_gradient_step, gradient_fp32
+from rtrainer.kernels import start_gradient_step, gradient_fp32, relative_error
 
 pytestmark = pytest.mark.cuda
 BF16_TOL = 1e-2     # relative error of a bf16 result against float64 of the same bf16 inputs
 
-def relative_error(actual, expected):
-    expected = expected.double()
-    err = ((actual.double() - expected).norm() / expected.norm()).item()
-    print(f"relative error {err:.2e}")
-    return err
 
 @pytest.fixture(params=["cublas", "triton"])
 def backend(request, monkeypatch):
