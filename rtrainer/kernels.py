@@ -27,7 +27,7 @@ __all__ = ['OPS', 'PROJECT_ROOT', 'RESULTS_DIR', 'INTERPRETING', 'KERNELS_CAN_RU
            'add_bench_arguments', 'run_ops_check', 'run_bench', 'kernel_knobs', 'parse_variants', 'add_sweep_arguments',
            'run_sweep']
 
-# %% ../nbs/01_kernels.ipynb #75a986ce
+# %% ../nbs/01_kernels.ipynb #127953a0
 import datetime, json, math, os, platform, re, subprocess, sys, time, warnings
 from pathlib import Path
 import torch
@@ -35,14 +35,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-# %% ../nbs/01_kernels.ipynb #7cfa2cc0
+# %% ../nbs/01_kernels.ipynb #fc5ba072
 OPS: dict = {}  # op name -> {"torch": fn, "triton": fn}
 
 def register_op(name, impl, fn):
-    "Make `fn` the `impl` ('torch' or 'triton') implementation of op `name`; returns `fn`."
+    "Make `fn` the `impl` ('torch' or 'triton') implementation of op `name`."
     if impl not in ("torch", "triton"): raise ValueError(f"register_op({name!r}): impl must be 'torch' or 'triton', got {impl!r}")
     OPS.setdefault(name, {})[impl] = fn
-    return fn
 
 def resolve_impl(impl, device):
     "'auto' becomes 'triton' on CUDA and 'torch' elsewhere; 'torch'/'triton' stay as they are."
@@ -63,7 +62,7 @@ def get_op(name, impl):
         return fns["torch"]
     raise KeyError(f"op {name!r} has no {impl!r} implementation")
 
-# %% ../nbs/01_kernels.ipynb #21b9c2dc
+# %% ../nbs/01_kernels.ipynb #f8851c9b
 def at_least_fp32(t):
     "t in float32, or in float64 if it already is (so a float64 oracle stays float64)."
     return t.to(torch.promote_types(t.dtype, torch.float32))
@@ -82,7 +81,7 @@ def add_rms_norm_reference(x, residual, weight, eps=1e-5):
 register_op("rms_norm", "torch", rms_norm_reference)
 register_op("add_rms_norm", "torch", add_rms_norm_reference)
 
-# %% ../nbs/01_kernels.ipynb #c389ad75
+# %% ../nbs/01_kernels.ipynb #446034de
 def rope_tables(seq_len, head_dim, theta=10000.0, device="cpu"):
     "cos and sin tables, fp32, each (seq_len, head_dim // 2)."
     if head_dim % 2: raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
@@ -99,7 +98,7 @@ def rope_reference(x, cos, sin):
 
 register_op("rope", "torch", rope_reference)
 
-# %% ../nbs/01_kernels.ipynb #07a81d56
+# %% ../nbs/01_kernels.ipynb #58421d59
 def swiglu_reference(gate_up):
     "silu(gate) * up for gate_up = [gate | up] along the last dim; fp32 arithmetic."
     gate, up = at_least_fp32(gate_up).chunk(2, dim=-1)
@@ -112,7 +111,7 @@ def embedding_reference(ids, weight):
 register_op("swiglu", "torch", swiglu_reference)
 register_op("embedding", "torch", embedding_reference)
 
-# %% ../nbs/01_kernels.ipynb #8f305d65
+# %% ../nbs/01_kernels.ipynb #5b74bf00
 def start_gradient_step(params):
     "Mark every fp32 gradient buffer so the next write overwrites it (no zero-fill); clear autograd grads."
     for p in params:
@@ -144,7 +143,7 @@ def gradient_fp32(param):
     if not grads: return None
     return grads[0] if len(grads) == 1 else grads[0] + grads[1]
 
-# %% ../nbs/01_kernels.ipynb #3cc123c0
+# %% ../nbs/01_kernels.ipynb #7b103ff3
 PROJECT_ROOT = Path(__file__).resolve().parent.parent if "__file__" in globals() else Path.cwd().parent
 RESULTS_DIR = PROJECT_ROOT / "data" / "results"
 
@@ -204,7 +203,7 @@ def _fmt(v):
     if isinstance(v, float): return f"{v:.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
     return "" if v is None else str(v)
 
-# %% ../nbs/01_kernels.ipynb #7e602cde
+# %% ../nbs/01_kernels.ipynb #f50638ee
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 KERNELS_CAN_RUN = torch.cuda.is_available() or INTERPRETING
 COPY_CEILING_GBPS = 4260.0  # device-to-device copy on the H200, bytes read + written (MEASURING.md)
@@ -215,7 +214,7 @@ def check_kernel_device(*tensors):
         if t.device.type != "cuda" and not INTERPRETING:
             raise RuntimeError(f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 before import); got a {t.device.type} tensor")
 
-# %% ../nbs/01_kernels.ipynb #dc54c940
+# %% ../nbs/01_kernels.ipynb #759621ec
 VECADD_BLOCK = 4096     # elements per program
 VECADD_NUM_WARPS = 8    # 32-thread warps per program (ignored by the interpreter)
 
@@ -240,7 +239,7 @@ def vecadd(a, b, out=None):
     vecadd_kernel[(triton.cdiv(n, VECADD_BLOCK),)](a, b, out, n, BLOCK=VECADD_BLOCK, num_warps=VECADD_NUM_WARPS)
     return out
 
-# %% ../nbs/01_kernels.ipynb #4066295b
+# %% ../nbs/01_kernels.ipynb #81ab7dfd
 def relative_error(result, reference):
     "||result - reference|| / ||reference|| in float64; the absolute error when the reference is exactly zero."
     r, ref = result.detach().double().cpu(), reference.detach().double().cpu()
@@ -257,7 +256,7 @@ def check_close(name, result, reference, tolerance):
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float64: 1e-12}  # relative, vs float64
 
-# %% ../nbs/01_kernels.ipynb #4044d2be
+# %% ../nbs/01_kernels.ipynb #474ad536
 def time_ms(fn):
     "Median ms of fn(): CUDA events on a GPU, a few wall-clock runs on a CPU (meaningless there, for tests)."
     if torch.cuda.is_available(): return median_ms(fn)
@@ -286,7 +285,7 @@ def bench_vecadd(size, dtype=torch.bfloat16, device="cuda", compare_compile=True
     return [benchmark_row("vecadd", size, dtype, 3 * n * a.element_size(), lambda: vecadd(a, b, out=out),
                           (lambda: compiled(a, b)) if compiled else None, passes="fwd")]
 
-# %% ../nbs/01_kernels.ipynb #fae475ba
+# %% ../nbs/01_kernels.ipynb #ffc07854
 RMS_NORM_BLOCK_ROWS = 1            # rows per forward program
 RMS_NORM_NUM_WARPS = 8
 RMS_NORM_BACKWARD_PROGRAMS_PER_SM = 4  # backward programs per SM; each owns a partial weight gradient
@@ -344,7 +343,7 @@ def rms_norm_backward_kernel(dy_ptr,                   # (rows, D) gradient of t
         dweight += dy * xhat
     tl.store(dweight_partial_ptr + pid * n_cols + cols, dweight, mask=col_ok)  # write D * 4 bytes per program
 
-# %% ../nbs/01_kernels.ipynb #6376316e
+# %% ../nbs/01_kernels.ipynb #5bdb1b43
 def as_rows(t):
     "t viewed as (rows, last dim) with a unit last stride (copies only if it must)."
     if t.stride(-1) != 1: t = t.contiguous()
@@ -391,7 +390,7 @@ def rms_norm_backward(dy, x, weight, rstd, dsummed=None, dx=None):
         HAS_DSUMMED=dsummed is not None, BLOCK_COLS=triton.next_power_of_2(D), num_warps=RMS_NORM_NUM_WARPS)
     return dx, partial.sum(0)
 
-# %% ../nbs/01_kernels.ipynb #e570ed2e
+# %% ../nbs/01_kernels.ipynb #e4566f00
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -430,13 +429,12 @@ def add_rms_norm_triton(x, residual, weight, eps=1e-5):
 register_op("rms_norm", "triton", rms_norm_triton)
 register_op("add_rms_norm", "triton", add_rms_norm_triton)
 
-# %% ../nbs/01_kernels.ipynb #8aafe1ed
+# %% ../nbs/01_kernels.ipynb #82300845
 OP_EXAMPLES: dict = {}  # op name -> fn(scale) -> (list of args, list of bools: differentiable)
 
 def register_op_example(name, make_inputs):
     "Record how to make random inputs for op `name` (used by check_op, `rtrainer bench ops` and the tests)."
     OP_EXAMPLES[name] = make_inputs
-    return make_inputs
 
 def _outputs(result): return list(result) if isinstance(result, (tuple, list)) else [result]
 
@@ -499,7 +497,7 @@ def _add_rms_norm_inputs(scale):
 register_op_example("rms_norm", _rms_norm_inputs)
 register_op_example("add_rms_norm", _add_rms_norm_inputs)
 
-# %% ../nbs/01_kernels.ipynb #11dedd11
+# %% ../nbs/01_kernels.ipynb #6f2a29c0
 ROPE_BLOCK_HEADS = 8   # heads per program (each program is one position)
 ROPE_NUM_WARPS = 4
 
@@ -567,7 +565,7 @@ def _rope_inputs(scale):
 
 register_op_example("rope", _rope_inputs)
 
-# %% ../nbs/01_kernels.ipynb #158f938f
+# %% ../nbs/01_kernels.ipynb #e352f955
 SWIGLU_BLOCK = 1024     # output columns per program
 SWIGLU_NUM_WARPS = 4
 
@@ -646,7 +644,7 @@ def _swiglu_inputs(scale):
 
 register_op_example("swiglu", _swiglu_inputs)
 
-# %% ../nbs/01_kernels.ipynb #10492b91
+# %% ../nbs/01_kernels.ipynb #49c47bcb
 EMBEDDING_BLOCK = 512              # columns of a row per program
 EMBEDDING_NUM_WARPS = 4
 EMBEDDING_BACKWARD = "deterministic"  # or "atomic"
@@ -703,7 +701,7 @@ def embedding_backward_atomic_kernel(ids_ptr,          # (N,) token ids
     g = tl.load(grad_ptr + position * grad_stride + cols, mask=mask, other=0.0).to(tl.float32)  # read D
     tl.atomic_add(main_grad_ptr + token * dim + cols, g, mask=mask)                            # read + write D * 4 bytes
 
-# %% ../nbs/01_kernels.ipynb #0af08a33
+# %% ../nbs/01_kernels.ipynb #a525e4bf
 def embedding_forward(ids, weight, out=None):
     "Rows of weight (V, D) at ids (...) into (..., D); `out` may be given."
     if weight.dim() != 2: raise ValueError(f"embedding: weight must be (V, D), got {tuple(weight.shape)}")
@@ -779,7 +777,7 @@ def _embedding_inputs(scale):
 
 register_op_example("embedding", _embedding_inputs)
 
-# %% ../nbs/01_kernels.ipynb #4e44f124
+# %% ../nbs/01_kernels.ipynb #211f9c95
 def embedding_run_to_run_differences(tokens=65536, vocab=512, dim=1024, device="cuda"):
     "Elements of the fp32 table gradient that differ between two identical backward runs, per variant."
     ids = torch.randint(0, vocab, (tokens,), device=device)   # ~128 positions per id: many colliding adds
@@ -791,7 +789,7 @@ def embedding_run_to_run_differences(tokens=65536, vocab=512, dim=1024, device="
         differing[variant] = int((first != second).sum())
     return differing
 
-# %% ../nbs/01_kernels.ipynb #09018285
+# %% ../nbs/01_kernels.ipynb #6d9aa863
 def _bench_autograd(kernel, size, dtype, fn, reference, make_args, fwd_bytes, bwd_bytes, compare_compile, before_call=None, **extra):
     "Forward and forward+backward rows of fn(*args), with torch.compile(reference) beside them."
     args = make_args()
@@ -873,7 +871,7 @@ register_benchmark("swiglu", bench_swiglu, [(32768, 1408), (32768, 5632), (65536
 register_benchmark("embedding", bench_embedding, [(32768, 32064, 768), (16384, 50432, 2048), (65536, 50432, 3072)],
                    [(16384, 50432, 2048)], [(40, 29, 77)], "EMBEDDING_")
 
-# %% ../nbs/01_kernels.ipynb #8f8ef57a
+# %% ../nbs/01_kernels.ipynb #ac8b2293
 BENCHMARK_COLUMNS = ["kernel", "backward", "passes", "shape", "dtype", "ms", "GB", "GBps", "pct_copy", "compile_GBps"]
 
 def benchmark_suite(quick=False, kernels=None, save=True):
@@ -900,7 +898,7 @@ def print_table(rows, columns=None):
     print("  ".join(str(c).rjust(w) for c, w in zip(columns, widths)))
     for r in rows: print("  ".join(_fmt(r.get(c)).rjust(w) for c, w in zip(columns, widths)))
 
-# %% ../nbs/01_kernels.ipynb #04e42f9a
+# %% ../nbs/01_kernels.ipynb #cc10d55c
 def add_doctor_arguments(p):
     p.add_argument("--size", type=int, default=None, help="vecadd length (default 100,000,003 on a GPU, 100,003 interpreted)")
 
@@ -928,7 +926,7 @@ def run_doctor(args):
     print(f"vecadd  n={n}: relative error {err:.1e} -> {'ok' if ok else 'WRONG'}")
     return 0 if ok else 1
 
-# %% ../nbs/01_kernels.ipynb #925aecea
+# %% ../nbs/01_kernels.ipynb #f0eca228
 def parse_size(text):
     "'32768x3072' -> (32768, 3072)."
     try: return tuple(int(v) for v in text.lower().split("x"))
@@ -976,7 +974,7 @@ def run_bench(args):
     if args.save: print("saved", save_results("kernels", rows, copy_ceiling_GBps=COPY_CEILING_GBPS))
     return 0
 
-# %% ../nbs/01_kernels.ipynb #39827dad
+# %% ../nbs/01_kernels.ipynb #beb101b4
 def kernel_knobs(kernel):
     "The tuning constants of `kernel` and their current values."
     prefix = BENCHMARKS[kernel]["knob_prefix"]
