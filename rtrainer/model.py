@@ -8,7 +8,7 @@ Docs: https://example.invalid/rtrainer/rtrainer/model.html.md"""
 __all__ = ['PRESETS', 'REFERENCE_BATCH', 'OP_NAMES', 'round_up', 'ModelConfig', 'model_config', 'parameter_counts',
            'matmul_parameters', 'flops_per_token', 'Block', 'TransformerLm', 'naive_lm_loss', 'KVCache', 'generate']
 
-# %% ../nbs/05_model.ipynb #d706c069
+# %% ../nbs/05_model.ipynb #e606dcf1
 import dataclasses, json, math, os
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
@@ -16,11 +16,11 @@ import torch
 from torch import nn
 from .kernels import get_op, resolve_impl, rope_tables, rms_norm_reference, rope_reference, swiglu_reference
 from .attention import attention_reference
-from .matmul import IGNORE_INDEX
+from .matmul import IGNORE_INDEX, use_measured_gemm_backends
 from .moe import MoeFeedForward
 from .optimizer import policy_dtype
 
-# %% ../nbs/05_model.ipynb #c97c929f
+# %% ../nbs/05_model.ipynb #a51bdb95
 def round_up(n, multiple): return (n + multiple - 1) // multiple * multiple
 
 @dataclass
@@ -101,7 +101,7 @@ class ModelConfig:
         except json.JSONDecodeError as e: raise ValueError(f"{path}: not valid JSON ({e})") from None
         return cls.from_dict(d).validate()
 
-# %% ../nbs/05_model.ipynb #8fbb544a
+# %% ../nbs/05_model.ipynb #ed79c759
 PRESETS = {
     "tiny":     dict(vocab_size=50257, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=176, max_seq_len=256),
     "tiny_moe": dict(vocab_size=50257, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=176, max_seq_len=256,
@@ -123,7 +123,7 @@ def model_config(name_or_path, **overrides):
     if "vocab_size" in overrides and "padded_vocab_size" not in overrides: d["padded_vocab_size"] = 0
     return ModelConfig.from_dict(d).validate()
 
-# %% ../nbs/05_model.ipynb #dd21dc56
+# %% ../nbs/05_model.ipynb #52909379
 def parameter_counts(c: ModelConfig):
     "Parameters by kind, the total, and the active count (parameters a token actually multiplies by)."
     D, hd = c.d_model, c.head_dim
@@ -156,7 +156,7 @@ def flops_per_token(c: ModelConfig, seq_len):
     "Training FLOPs per token at sequence length seq_len (forward + backward)."
     return 6 * matmul_parameters(c) + 12 * c.n_layers * seq_len * c.n_heads * c.head_dim
 
-# %% ../nbs/05_model.ipynb #a2bd63b8
+# %% ../nbs/05_model.ipynb #1d803255
 OP_NAMES = ["embedding", "rms_norm", "add_rms_norm", "rope", "attention", "swiglu", "linear", "linear_cross_entropy"]
 
 def _matrix(*shape): return nn.Parameter(torch.empty(*shape))
@@ -185,6 +185,7 @@ class TransformerLm(nn.Module):
         self.impl = resolve_impl(c.impl, device)
         self.precision = c.precision if c.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
         self.op = {name: get_op(name, self.impl) for name in OP_NAMES}
+        if self.impl == "triton" and device.type == "cuda": use_measured_gemm_backends()  # per GEMM shape: Triton or cuBLAS, as measured on this GPU
         self.embedding = _matrix(c.vocab_size, c.d_model)
         self.blocks = nn.ModuleList(Block(c, i, self.impl) for i in range(c.n_layers))
         self.final_norm = _norm(c.d_model)
@@ -253,7 +254,7 @@ class TransformerLm(nn.Module):
         loss = lm_loss + load_balance_weight * lb_loss if self.moe_stats and load_balance_weight else lm_loss
         return loss, lm_loss.detach(), lb_loss.detach()
 
-# %% ../nbs/05_model.ipynb #26a3aeca
+# %% ../nbs/05_model.ipynb #2c0a01f1
 def naive_lm_loss(model, ids, targets):
     "An independent dense-model loss in plain torch (for tests): same weights, no shared op code."
     c = model.config
@@ -286,7 +287,7 @@ def naive_lm_loss(model, ids, targets):
     logits = norm(x, model.final_norm) @ model.lm_head
     return torch.nn.functional.cross_entropy(logits[..., : c.vocab_size].reshape(-1, c.vocab_size), targets.reshape(-1))
 
-# %% ../nbs/05_model.ipynb #68b23234
+# %% ../nbs/05_model.ipynb #c0a9a659
 class KVCache:
     "Per-layer key/value tensors (1, max_len, KV, hd) filled as generation proceeds."
     def __init__(self, c: ModelConfig, max_len, device, dtype):

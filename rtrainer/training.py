@@ -8,12 +8,12 @@ Docs: https://example.invalid/rtrainer/rtrainer/training.html.md"""
 __all__ = ['BUNDLED_DATA', 'CHECKPOINT_FORMAT', 'SHAPE_FIELDS', 'DATASHEET_PEAK_TFLOPS', 'M_TRIM_THRESHOLD', 'M_MMAP_THRESHOLD',
            'SHAPE_OVERRIDES', 'TrainConfig', 'read_manifest', 'TrainingData', 'atomic_save_safetensors',
            'save_checkpoint', 'resolve_checkpoint', 'read_checkpoint', 'check_same_shape', 'load_model_weights',
-           'prune_checkpoints', 'device_peak_tflops', 'mfu', 'retain_freed_memory', 'NonFiniteLoss', 'Trainer',
-           'load_model', 'add_train_arguments', 'train_config_from_args', 'model_config_from_args',
+           'prune_checkpoints', 'device_peak_tflops', 'mfu', 'retain_freed_memory', 'held_out_loss', 'NonFiniteLoss',
+           'Trainer', 'load_model', 'add_train_arguments', 'train_config_from_args', 'model_config_from_args',
            'ensure_bundled_data', 'run_train', 'add_eval_arguments', 'run_eval', 'add_generate_arguments',
            'run_generate']
 
-# %% ../nbs/06_training.ipynb #193202cc
+# %% ../nbs/06_training.ipynb #9db08b8c
 import argparse, ctypes, dataclasses, json, math, os, sys, time
 from dataclasses import dataclass, asdict, field
 from pathlib import Path
@@ -30,7 +30,7 @@ from .moe import load_balance_weight
 from .optimizer import AdamW, clip_coefficient, warmup_cosine
 from .model import ModelConfig, TransformerLm, model_config, flops_per_token, parameter_counts, generate
 
-# %% ../nbs/06_training.ipynb #65f9401b
+# %% ../nbs/06_training.ipynb #5ff9d7f7
 BUNDLED_DATA = "data/python-docs"
 
 @dataclass
@@ -80,7 +80,7 @@ class TrainConfig:
         if self.resume and self.init_from: raise ValueError("--resume and --init-from are exclusive: resume continues a run, init-from starts a new one")
         return self
 
-# %% ../nbs/06_training.ipynb #f91610ec
+# %% ../nbs/06_training.ipynb #4f2a66ce
 def read_manifest(folder):
     "The shard lists (train paths, held-out paths) of a prepared data folder."
     folder = Path(folder)
@@ -124,7 +124,7 @@ class TrainingData:
                 i += 1; n += 1
                 if max_batches and n >= max_batches: return
 
-# %% ../nbs/06_training.ipynb #7c40c9a6
+# %% ../nbs/06_training.ipynb #68afb236
 CHECKPOINT_FORMAT = "rtrainer-checkpoint-1"
 SHAPE_FIELDS = ["vocab_size", "padded_vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                 "d_ff", "n_experts", "top_k", "expert_d_ff", "moe_layers", "shared_expert"]
@@ -207,7 +207,7 @@ def prune_checkpoints(folder, keep, protect=()):
     for old in found[:-keep] if keep else []:
         if old.resolve() not in protect: old.unlink()
 
-# %% ../nbs/06_training.ipynb #e08b97f1
+# %% ../nbs/06_training.ipynb #2336b5f2
 DATASHEET_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "B200": 2250.0, "A100": 312.0}  # dense bf16
 
 def device_peak_tflops(device=None):
@@ -221,7 +221,7 @@ def mfu(tokens_per_s, model_config, seq_len, peak_tflops):
     if not peak_tflops: return None
     return tokens_per_s * flops_per_token(model_config, seq_len) / (peak_tflops * 1e12)
 
-# %% ../nbs/06_training.ipynb #ec19970f
+# %% ../nbs/06_training.ipynb #d43bd38e
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3       # mallopt parameters from glibc's malloc.h
 
 def retain_freed_memory():
@@ -230,7 +230,24 @@ def retain_freed_memory():
     except OSError: return False
     return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 30) and libc.mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1))
 
-# %% ../nbs/06_training.ipynb #e9dded66
+# %% ../nbs/06_training.ipynb #8d80ed7f
+@torch.no_grad()
+def held_out_loss(model, data, batch_size, seq_len, max_batches=0, rank=0, world_size=1, reduce_sum=lambda t: t):
+    "Held-out loss (mean over counted targets) and perplexity of `model` on `data`'s held-out walk, or None if empty."
+    device = model.lm_head.device
+    was = model.training; model.eval()
+    total = torch.zeros((), device=device, dtype=torch.float64); count = torch.zeros((), device=device, dtype=torch.float64)
+    for inputs, targets in data.held_out(batch_size, seq_len, max_batches, rank, world_size):
+        counted = int((targets != IGNORE_INDEX).sum())      # the last chunk is padded with ignored targets
+        if not counted: continue
+        _, lm, _ = model(inputs.to(device), targets.to(device))
+        total += lm.double() * counted; count += counted
+    model.train(was)
+    summed = reduce_sum(torch.stack([total, count]))
+    if summed[1] == 0: return None
+    loss = (summed[0] / summed[1]).item()
+    return dict(val_loss=loss, val_ppl=math.exp(min(loss, 50)))
+
 class NonFiniteLoss(RuntimeError):
     "The loss or the gradient norm stopped being finite."
 
@@ -329,23 +346,12 @@ class Trainer:
                 row["dropped_fraction"] = float(torch.stack([torch.as_tensor(s["dropped_fraction"]).float() for s in self.model.moe_stats]).mean())
         return row
 
-    @torch.no_grad()
     def evaluate(self, max_batches=None):
         "Held-out loss and perplexity (forward only; no gradient is touched)."
         if self.data is None or not self.data.val: return None
-        was = self.model.training; self.model.eval()
-        total, count = torch.zeros((), device=self.device, dtype=torch.float64), torch.zeros((), device=self.device, dtype=torch.float64)
-        mb = self.cfg.eval_batches if max_batches is None else max_batches
-        for inputs, targets in self.data.held_out(self.cfg.batch_size, self.cfg.seq_len, mb, self.rank, self.world_size):
-            counted = int((targets != IGNORE_INDEX).sum())      # the last chunk is padded with ignored targets
-            if not counted: continue
-            _, lm, _ = self.model(inputs.to(self.device), targets.to(self.device))
-            total += lm.double() * counted; count += counted
-        self.model.train(was)
-        summed = self.reduce_sum(torch.stack([total, count]))
-        if summed[1] == 0: return None
-        loss = (summed[0] / summed[1]).item()
-        return dict(val_loss=loss, val_ppl=math.exp(min(loss, 50)))
+        return held_out_loss(self.model, self.data, self.cfg.batch_size, self.cfg.seq_len,
+                             self.cfg.eval_batches if max_batches is None else max_batches,
+                             self.rank, self.world_size, self.reduce_sum)
 
     def reduce_sum(self, t): return t
 
@@ -419,7 +425,7 @@ class Trainer:
             if self.is_main: self.log(f"checkpoint: {path}")
         return self.history
 
-# %% ../nbs/06_training.ipynb #c99376a1
+# %% ../nbs/06_training.ipynb #b1fb9bdf
 def load_model(checkpoint, device="auto", impl="auto"):
     "(model, metadata) rebuilt from a checkpoint's own config, weights loaded."
     tensors, meta = read_checkpoint(checkpoint)
@@ -429,7 +435,7 @@ def load_model(checkpoint, device="auto", impl="auto"):
     load_model_weights(model, tensors, checkpoint)
     return model, meta
 
-# %% ../nbs/06_training.ipynb #44c5e457
+# %% ../nbs/06_training.ipynb #f676a26c
 SHAPE_OVERRIDES = {"vocab_size": int, "d_model": int, "n_layers": int, "n_heads": int, "n_kv_heads": int, "head_dim": int,
                    "d_ff": int, "max_seq_len": int, "n_experts": int, "top_k": int, "expert_d_ff": int,
                    "capacity_factor": float, "moe_dispatch": str, "impl": str, "precision": str}
@@ -492,13 +498,9 @@ def run_eval(args):
     "`rtrainer eval`: held-out loss and perplexity of a checkpoint."
     model, meta = load_model(args.checkpoint, args.device)
     seq_len = args.seq_len or (meta.get("train") or {}).get("seq_len") or 64
-    cfg = TrainConfig(model="checkpoint", data=args.data, batch_size=args.batch_size, seq_len=seq_len,
-                      eval_batches=args.max_batches, device=str(model.lm_head.device), progress=False)
-    trainer = Trainer.__new__(Trainer)
-    trainer.cfg, trainer.model, trainer.device = cfg, model, model.lm_head.device
-    trainer.data = TrainingData(args.data, 0, model.config.vocab_size)
-    if not trainer.data.val: raise ValueError(f"{args.data}: no held-out shard in the manifest")
-    ev = trainer.evaluate()
+    data = TrainingData(args.data, 0, model.config.vocab_size)
+    if not data.val: raise ValueError(f"{args.data}: no held-out shard in the manifest")
+    ev = held_out_loss(model, data, args.batch_size, seq_len, args.max_batches)
     print(f"step {meta['step']}: held-out loss {ev['val_loss']:.4f}, perplexity {ev['val_ppl']:.2f}")
     return 0
 

@@ -7,6 +7,9 @@ autotuning), valid only when every logged loss is finite. Writes data/results/NA
 import argparse, json, math, os, subprocess, sys, tempfile, time
 from pathlib import Path
 import statistics as st
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from rtrainer.kernels import save_results
+from rtrainer.profiling import ratio_interval   # the paired 95% interval the profiling chapter defines
 
 def run_arm(config, batch, impl, steps, seq_len, extra):
     out = Path(tempfile.mkdtemp(prefix=f"arm-{config}-{impl}-"))
@@ -27,8 +30,6 @@ def run_arm(config, batch, impl, steps, seq_len, extra):
     row.update(status="ok", tokens_per_s=last["tokens_per_s"], mfu=last.get("mfu"), peak_memory_gib=last.get("peak_memory_gib"),
                first_window_tokens_per_s=[x for x in rows if "tokens_per_s" in x][0]["tokens_per_s"], final_loss=losses[-1])
     return row
-
-def t95(n): return {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}.get(n, 2.0)
 
 def main():
     ap = argparse.ArgumentParser()
@@ -54,16 +55,14 @@ def main():
                             mfu=st.mean(mfu) if mfu else None, peak_memory_gib=max(mem) if mem else None))
     # paired ratio triton / torch per config, by round, with a t interval on log ratios
     for cfg in dict.fromkeys(c for c, _, _ in arms):
-        pairs = []
+        ratios = []
         for rnd in range(a.rounds):
             got = {r["impl"]: r.get("tokens_per_s") for r in results if r["config"] == cfg and r["round"] == rnd and r["status"] == "ok"}
-            if "triton" in got and "torch" in got: pairs.append(math.log(got["triton"] / got["torch"]))
-        if pairs:
-            m = st.mean(pairs); h = t95(len(pairs) - 1) * st.stdev(pairs) / math.sqrt(len(pairs)) if len(pairs) > 1 else float("nan")
-            summary.append(dict(config=cfg, impl="ratio triton/torch", status="ok", n=len(pairs), ratio=math.exp(m),
-                                ratio_low=math.exp(m - h), ratio_high=math.exp(m + h)))
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from rtrainer.kernels import save_results
+            if "triton" in got and "torch" in got: ratios.append(got["triton"] / got["torch"])
+        if ratios:
+            ratio, low, high = ratio_interval(ratios)
+            summary.append(dict(config=cfg, impl="ratio triton/torch", status="ok", n=len(ratios), ratio=ratio,
+                                ratio_low=low if low is not None else float("nan"), ratio_high=high if high is not None else float("nan")))
     save_results(a.name, summary, runs=results, steps=a.steps, seq_len=a.seq_len, protocol="arms alternated per round, each in its own process; last logging window")
     print(f"{'config':9} {'B':>3} {'impl':20} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9}  status")
     for s in summary:

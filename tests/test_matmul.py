@@ -182,3 +182,13 @@ def test_gemm_bench_needs_a_gpu(capsys):
     if torch.cuda.is_available(): pytest.skip("has a GPU")
     assert mm.run_gemm_bench("rb100m") == 1
     assert "CUDA" in capsys.readouterr().err
+
+
+def test_model_shapes_match_the_model_presets():
+    "matmul sits below the model chapter, so it keeps its own table of the reference shapes; it must not drift."
+    from rtrainer.model import model_config, REFERENCE_BATCH
+    for name, shape in mm.MODEL_SHAPES.items():
+        cfg = model_config(name)
+        for key, value in shape.items():
+            if key == "batch_size": assert value == REFERENCE_BATCH[name], name
+            elif key != "seq_len": assert getattr(cfg, key) == value, (name, key)
