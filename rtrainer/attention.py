@@ -86,8 +86,8 @@ def flash_forward_kernel(
     H, T, GROUP, scale_log2,                            # GROUP = H // KV query heads per KV head
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)
+    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M   # last query block first: the longest causal walk
     b, h = (bh // H).to(tl.int64), bh % H
     kvh = (h // GROUP).to(tl.int64)
     h = h.to(tl.int64)
@@ -158,8 +158,8 @@ def flash_backward_dkdv_kernel(
     H, KV, T, GROUP, scale_log2, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
-    start_n = tl.program_id(0) * BLOCK_N
-    bkv = tl.program_id(1)
+    bkv = tl.program_id(0)
+    start_n = tl.program_id(1) * BLOCK_N                # first key block first: the longest causal walk
     b, kvh = (bkv // KV).to(tl.int64), (bkv % KV).to(tl.int64)
     k_pos = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -223,8 +223,8 @@ def flash_backward_dq_kernel(
     H, T, GROUP, scale_log2, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)
+    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M   # last query block first: the longest causal walk
     b, h = (bh // H).to(tl.int64), bh % H
     kvh = (h // GROUP).to(tl.int64)
     h = h.to(tl.int64)
@@ -250,12 +250,14 @@ def flash_backward_dq_kernel(
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None])
 
 # %% ../nbs/02_attention.ipynb #6bc5e1b5
-def _configs(pairs, warps_stages):
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n in pairs for w, s in warps_stages]
+# Four candidates per kernel (BLOCK_M, BLOCK_N, warps, stages). Each list keeps the configs that won at the
+# reference shapes on the H200 (forward 128/64/8/3 everywhere; dK/dV 64/64 at head dim 64 and 32/64 at 128;
+# dQ 64/64 and 64/32) and tries deeper pipelines and wider tiles beside them.
+def _configs(candidates): return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in candidates]
 
-FORWARD_CONFIGS = _configs([(128, 64), (128, 128), (64, 64)], [(4, 3), (8, 3)])[:4]  # BLOCK_M % BLOCK_N == 0
-DQ_CONFIGS = _configs([(128, 32), (64, 32), (128, 64), (64, 64)], [(4, 3)])          # BLOCK_M % BLOCK_N == 0
-DKDV_CONFIGS = _configs([(32, 128), (32, 64), (64, 64), (64, 128)], [(4, 3)])        # BLOCK_N % BLOCK_M == 0
+FORWARD_CONFIGS = _configs([(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4)])  # BLOCK_M % BLOCK_N == 0
+DQ_CONFIGS = _configs([(64, 32, 4, 3), (64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3)])          # BLOCK_M % BLOCK_N == 0
+DKDV_CONFIGS = _configs([(32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 8, 3)])        # BLOCK_N % BLOCK_M == 0
 # Tuned once per head dim, causality and dtype (the autotuner adds the tensors' dtypes to the key), not per
 # sequence length: a training run uses one T, and re-tuning 4 configs x 3 kernels for every odd T of the parity
 # tests took minutes of compilation on the H200 (measured: the GPU parity run stalled here).
@@ -303,7 +305,7 @@ def flash_attention_forward(q, k, v, causal=True, o=None, lse=None):
     o = _output(o, (B, T, H, hd), q, "o")
     lse = _output(lse, (B, H, T), q, "lse", torch.float32)
     sm_scale = 1.0 / math.sqrt(hd)
-    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)
+    grid = lambda meta: (B * H, triton.cdiv(T, meta["BLOCK_M"]))
     _forward_launch[grid](q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
                           H, T, H // KV, sm_scale * LOG2_E, HEAD_DIM=hd, CAUSAL=causal,
                           PRECISION=_precision(q.dtype), **_blocks())
@@ -322,10 +324,10 @@ def flash_attention_backward(do, q, k, v, o, lse, causal=True, dq=None, dk=None,
     dk = _output(dk, (B, T, KV, hd), k, "dk")
     dv = _output(dv, (B, T, KV, hd), v, "dv")
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
-    _dkdv_launch[lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * KV)](
+    _dkdv_launch[lambda meta: (B * KV, triton.cdiv(T, meta["BLOCK_N"]))](
         q, k, v, do, lse, delta, dk, dv, *strides, *dk.stride()[:3], H, KV, T, H // KV, sm_scale * LOG2_E, sm_scale,
         HEAD_DIM=hd, CAUSAL=causal, PRECISION=_precision(q.dtype), **_blocks())
-    _dq_launch[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)](
+    _dq_launch[lambda meta: (B * H, triton.cdiv(T, meta["BLOCK_M"]))](
         q, k, v, do, lse, delta, dq, *strides, *dq.stride()[:3], H, T, H // KV, sm_scale * LOG2_E, sm_scale,
         HEAD_DIM=hd, CAUSAL=causal, PRECISION=_precision(q.dtype), **_blocks())
     return dq, dk, dv

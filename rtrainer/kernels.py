@@ -7,25 +7,25 @@ Docs: https://example.invalid/rtrainer/rtrainer/kernels.html.md"""
 # %% auto #0
 __all__ = ['OPS', 'PROJECT_ROOT', 'RESULTS_DIR', 'INTERPRETING', 'KERNELS_CAN_RUN', 'COPY_CEILING_GBPS', 'VECADD_BLOCK',
            'VECADD_NUM_WARPS', 'TOLERANCE', 'RMS_NORM_BLOCK_ROWS', 'RMS_NORM_NUM_WARPS',
-           'RMS_NORM_BACKWARD_PROGRAMS_PER_SM', 'RMS_NORM_MAX_COLS', 'OP_EXAMPLES', 'SCALES', 'ROPE_BLOCK_HEADS',
-           'ROPE_NUM_WARPS', 'SWIGLU_BLOCK', 'SWIGLU_NUM_WARPS', 'EMBEDDING_BLOCK', 'EMBEDDING_NUM_WARPS',
-           'EMBEDDING_BACKWARD', 'EMBEDDING_BACKWARDS', 'BENCHMARKS', 'BENCHMARK_COLUMNS', 'register_op',
-           'resolve_impl', 'get_op', 'at_least_fp32', 'rms_norm_reference', 'add_rms_norm_reference', 'rope_tables',
-           'rope_reference', 'swiglu_reference', 'embedding_reference', 'start_gradient_step', 'main_grad_for_write',
-           'mark_main_grad_written', 'accumulate_main_grad', 'gradient_fp32', 'median_ms', 'git_commit',
-           'machine_metadata', 'save_results', 'load_results', 'show_results', 'check_kernel_device', 'vecadd_kernel',
-           'vecadd', 'relative_error', 'check_close', 'time_ms', 'benchmark_row', 'bench_vecadd',
-           'rms_norm_forward_kernel', 'rms_norm_backward_kernel', 'as_rows', 'rms_norm_forward', 'rms_norm_backward',
-           'RMSNormFunction', 'AddRMSNormFunction', 'rms_norm_triton', 'add_rms_norm_triton', 'register_op_example',
-           'run_op_with_grads', 'check_op', 'rope_kernel', 'rope_apply', 'RoPEFunction', 'rope_triton',
-           'swiglu_forward_kernel', 'swiglu_backward_kernel', 'swiglu_forward', 'swiglu_backward', 'SwiGLUFunction',
-           'swiglu_triton', 'embedding_forward_kernel', 'embedding_backward_segments_kernel',
-           'embedding_backward_atomic_kernel', 'embedding_forward', 'embedding_backward_deterministic',
-           'embedding_backward_atomic', 'EmbeddingFunction', 'embedding_triton', 'embedding_run_to_run_differences',
-           'bench_rms_norm', 'bench_add_rms_norm', 'bench_rope', 'bench_swiglu', 'bench_embedding',
-           'register_benchmark', 'benchmark_suite', 'print_table', 'add_doctor_arguments', 'run_doctor', 'parse_size',
-           'add_bench_arguments', 'run_ops_check', 'run_bench', 'kernel_knobs', 'parse_variants', 'add_sweep_arguments',
-           'run_sweep']
+           'RMS_NORM_BACKWARD_PROGRAMS_PER_SM', 'RMS_NORM_BACKWARD_BLOCK_ROWS', 'RMS_NORM_BACKWARD_NUM_WARPS',
+           'RMS_NORM_MAX_COLS', 'OP_EXAMPLES', 'SCALES', 'ROPE_BLOCK_ROWS', 'ROPE_NUM_WARPS', 'SWIGLU_BLOCK',
+           'SWIGLU_NUM_WARPS', 'EMBEDDING_BLOCK', 'EMBEDDING_NUM_WARPS', 'EMBEDDING_BACKWARD', 'EMBEDDING_BACKWARDS',
+           'BENCHMARKS', 'BENCHMARK_COLUMNS', 'register_op', 'resolve_impl', 'get_op', 'at_least_fp32',
+           'rms_norm_reference', 'add_rms_norm_reference', 'rope_tables', 'rope_reference', 'swiglu_reference',
+           'embedding_reference', 'start_gradient_step', 'main_grad_for_write', 'mark_main_grad_written',
+           'accumulate_main_grad', 'gradient_fp32', 'median_ms', 'git_commit', 'machine_metadata', 'save_results',
+           'load_results', 'show_results', 'check_kernel_device', 'vecadd_kernel', 'vecadd', 'relative_error',
+           'check_close', 'time_ms', 'benchmark_row', 'bench_vecadd', 'rms_norm_forward_kernel',
+           'rms_norm_backward_kernel', 'as_rows', 'rms_norm_forward', 'rms_norm_backward', 'RMSNormFunction',
+           'AddRMSNormFunction', 'rms_norm_triton', 'add_rms_norm_triton', 'register_op_example', 'run_op_with_grads',
+           'check_op', 'rope_kernel', 'rope_apply', 'RoPEFunction', 'rope_triton', 'swiglu_forward_kernel',
+           'swiglu_backward_kernel', 'swiglu_forward', 'swiglu_backward', 'SwiGLUFunction', 'swiglu_triton',
+           'embedding_forward_kernel', 'embedding_backward_segments_kernel', 'embedding_backward_atomic_kernel',
+           'embedding_forward', 'embedding_backward_deterministic', 'embedding_backward_atomic', 'EmbeddingFunction',
+           'embedding_triton', 'embedding_run_to_run_differences', 'bench_rms_norm', 'bench_add_rms_norm', 'bench_rope',
+           'bench_swiglu', 'bench_embedding', 'register_benchmark', 'benchmark_suite', 'print_table',
+           'add_doctor_arguments', 'run_doctor', 'parse_size', 'add_bench_arguments', 'run_ops_check', 'run_bench',
+           'kernel_knobs', 'parse_variants', 'add_sweep_arguments', 'run_sweep']
 
 # %% ../nbs/01_kernels.ipynb #127953a0
 import datetime, json, math, os, platform, re, subprocess, sys, time, warnings
@@ -289,6 +289,8 @@ def bench_vecadd(size, dtype=torch.bfloat16, device="cuda", compare_compile=True
 RMS_NORM_BLOCK_ROWS = 1            # rows per forward program
 RMS_NORM_NUM_WARPS = 8
 RMS_NORM_BACKWARD_PROGRAMS_PER_SM = 4  # backward programs per SM; each owns a partial weight gradient
+RMS_NORM_BACKWARD_BLOCK_ROWS = 4       # rows a backward program loads at once (more bytes in flight per program)
+RMS_NORM_BACKWARD_NUM_WARPS = 16
 RMS_NORM_MAX_COLS = 65536          # widest row a program holds in registers
 
 @triton.jit
@@ -322,25 +324,27 @@ def rms_norm_backward_kernel(dy_ptr,                   # (rows, D) gradient of t
                              dx_ptr,                   # (rows, D) gradient of the input
                              dweight_partial_ptr,      # (programs, D) fp32: this program's share of dweight
                              n_rows, n_cols, dy_stride, x_stride, dsummed_stride, dx_stride,
-                             HAS_DSUMMED: tl.constexpr, BLOCK_COLS: tl.constexpr):
+                             HAS_DSUMMED: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_COLS)
     col_ok = cols < n_cols
     w = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     dweight = tl.zeros([BLOCK_COLS], dtype=tl.float32)
-    for row_i32 in range(pid, n_rows, n_programs):
-        row = row_i32 + tl.zeros([], tl.int64)        # 64-bit row offsets
-        x = tl.load(x_ptr + row * x_stride + cols, mask=col_ok, other=0.0).to(tl.float32)     # read D
-        dy = tl.load(dy_ptr + row * dy_stride + cols, mask=col_ok, other=0.0).to(tl.float32)  # read D
-        rstd = tl.load(rstd_ptr + row)
+    for block in range(pid, tl.cdiv(n_rows, BLOCK_ROWS), n_programs):   # this program's blocks of rows
+        rows = (block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)  # 64-bit row offsets
+        row_ok = rows < n_rows
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)     # read rows*D
+        dy = tl.load(dy_ptr + rows[:, None] * dy_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)  # read rows*D
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)[:, None]
         xhat = x * rstd
-        g = dy * w
-        dx = (g - xhat * (tl.sum(g * xhat, axis=0) / n_cols)) * rstd
+        g = dy * w[None, :]
+        dx = (g - xhat * (tl.sum(g * xhat, axis=1) / n_cols)[:, None]) * rstd
         if HAS_DSUMMED:
-            dx += tl.load(dsummed_ptr + row * dsummed_stride + cols, mask=col_ok, other=0.0).to(tl.float32)  # read D
-        tl.store(dx_ptr + row * dx_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=col_ok)  # write D
-        dweight += dy * xhat
+            dx += tl.load(dsummed_ptr + rows[:, None] * dsummed_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)  # read rows*D
+        tl.store(dx_ptr + rows[:, None] * dx_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)  # write rows*D
+        dweight += tl.sum(dy * xhat, axis=0)
     tl.store(dweight_partial_ptr + pid * n_cols + cols, dweight, mask=col_ok)  # write D * 4 bytes per program
 
 # %% ../nbs/01_kernels.ipynb #5bdb1b43
@@ -383,11 +387,12 @@ def rms_norm_backward(dy, x, weight, rstd, dsummed=None, dx=None):
     ds2 = as_rows(dsummed) if dsummed is not None else dy2
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if dx is None else dx
     dx2 = dx.view(-1, D)
-    n_programs = _program_count(n_rows, RMS_NORM_BACKWARD_PROGRAMS_PER_SM, x.device)
+    n_programs = _program_count(triton.cdiv(n_rows, RMS_NORM_BACKWARD_BLOCK_ROWS), RMS_NORM_BACKWARD_PROGRAMS_PER_SM, x.device)
     partial = torch.empty(n_programs, D, dtype=torch.float32, device=x.device)
     rms_norm_backward_kernel[(n_programs,)](
         dy2, x2, weight, rstd, ds2, dx2, partial, n_rows, D, dy2.stride(0), x2.stride(0), ds2.stride(0), dx2.stride(0),
-        HAS_DSUMMED=dsummed is not None, BLOCK_COLS=triton.next_power_of_2(D), num_warps=RMS_NORM_NUM_WARPS)
+        HAS_DSUMMED=dsummed is not None, BLOCK_ROWS=RMS_NORM_BACKWARD_BLOCK_ROWS, BLOCK_COLS=triton.next_power_of_2(D),
+        num_warps=RMS_NORM_BACKWARD_NUM_WARPS)
     return dx, partial.sum(0)
 
 # %% ../nbs/01_kernels.ipynb #e4566f00
@@ -498,32 +503,35 @@ register_op_example("rms_norm", _rms_norm_inputs)
 register_op_example("add_rms_norm", _add_rms_norm_inputs)
 
 # %% ../nbs/01_kernels.ipynb #6f2a29c0
-ROPE_BLOCK_HEADS = 8   # heads per program (each program is one position)
+ROPE_BLOCK_ROWS = 64   # (position, head) rows per program
 ROPE_NUM_WARPS = 4
 
 @triton.jit
 def rope_kernel(x_ptr,                                  # (B, T, H, hd) input, any strides
                 cos_ptr, sin_ptr,                       # (T, hd/2) fp32 tables
                 out_ptr,                                # (B, T, H, hd) output, any strides
-                seq_len, n_heads, half_dim,
+                n_rows, seq_len, n_heads, head_dim,     # n_rows = B * T * H
                 x_stride_b, x_stride_t, x_stride_h, x_stride_d,
                 out_stride_b, out_stride_t, out_stride_h, out_stride_d, table_stride,
                 SIN_SIGN: tl.constexpr,                 # +1 rotates forward, -1 rotates back (the backward)
-                BLOCK_HEADS: tl.constexpr, BLOCK_PAIRS: tl.constexpr):
-    position = tl.program_id(0).to(tl.int64)            # b * T + t
-    b = position // seq_len
-    t = position % seq_len
-    heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
-    pairs = tl.arange(0, BLOCK_PAIRS)
-    mask = (heads[:, None] < n_heads) & (pairs[None, :] < half_dim)
-    cos = tl.load(cos_ptr + t * table_stride + pairs, mask=pairs < half_dim, other=0.0)[None, :]  # read hd/2
-    sin = tl.load(sin_ptr + t * table_stride + pairs, mask=pairs < half_dim, other=0.0)[None, :] * SIN_SIGN
-    x_even = x_ptr + b * x_stride_b + t * x_stride_t + heads[:, None] * x_stride_h + (2 * pairs[None, :]) * x_stride_d
-    x0 = tl.load(x_even, mask=mask, other=0.0).to(tl.float32)               # read H*hd/2
-    x1 = tl.load(x_even + x_stride_d, mask=mask, other=0.0).to(tl.float32)  # read H*hd/2
-    out_even = out_ptr + b * out_stride_b + t * out_stride_t + heads[:, None] * out_stride_h + (2 * pairs[None, :]) * out_stride_d
-    tl.store(out_even, (x0 * cos - x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)                # write H*hd/2
-    tl.store(out_even + out_stride_d, (x0 * sin + x1 * cos).to(out_ptr.dtype.element_ty), mask=mask)  # write H*hd/2
+                BLOCK_ROWS: tl.constexpr, BLOCK_DIM: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)   # row = (b * T + t) * H + h
+    h = rows % n_heads
+    t = (rows // n_heads) % seq_len
+    b = rows // (n_heads * seq_len)
+    dims = tl.arange(0, BLOCK_DIM)
+    mask = (rows < n_rows)[:, None] & (dims < head_dim)[None, :]
+    x = tl.load(x_ptr + (b * x_stride_b + t * x_stride_t + h * x_stride_h)[:, None] + dims[None, :] * x_stride_d,
+                mask=mask, other=0.0).to(tl.float32)                              # read rows*hd, whole heads
+    x0, x1 = tl.split(tl.reshape(x, (BLOCK_ROWS, BLOCK_DIM // 2, 2)))            # the even and odd members of each pair
+    pairs = tl.arange(0, BLOCK_DIM // 2)
+    pair_mask = (rows < n_rows)[:, None] & (pairs < head_dim // 2)[None, :]
+    table = t[:, None] * table_stride + pairs[None, :]
+    cos = tl.load(cos_ptr + table, mask=pair_mask, other=0.0)                    # read rows*hd/2 fp32 (cached: T rows)
+    sin = tl.load(sin_ptr + table, mask=pair_mask, other=0.0) * SIN_SIGN
+    y = tl.reshape(tl.join(x0 * cos - x1 * sin, x0 * sin + x1 * cos), (BLOCK_ROWS, BLOCK_DIM))  # pairs back in place
+    tl.store(out_ptr + (b * out_stride_b + t * out_stride_t + h * out_stride_h)[:, None] + dims[None, :] * out_stride_d,
+             y.to(out_ptr.dtype.element_ty), mask=mask)                            # write rows*hd
 
 def rope_apply(x, cos, sin, out=None, inverse=False):
     "Rotate the pairs of x (B, T, H, hd) into `out` (new, or given; `out=x` rotates in place); inverse rotates back."
@@ -534,9 +542,10 @@ def rope_apply(x, cos, sin, out=None, inverse=False):
     check_kernel_device(x, cos, sin)
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
-    rope_kernel[(B * T, triton.cdiv(H, ROPE_BLOCK_HEADS))](
-        x, cos, sin, out, T, H, hd // 2, *x.stride(), *out.stride(), cos.stride(0),
-        SIN_SIGN=-1.0 if inverse else 1.0, BLOCK_HEADS=ROPE_BLOCK_HEADS, BLOCK_PAIRS=triton.next_power_of_2(hd // 2),
+    n_rows = B * T * H
+    if n_rows: rope_kernel[(triton.cdiv(n_rows, ROPE_BLOCK_ROWS),)](
+        x, cos, sin, out, n_rows, T, H, hd, *x.stride(), *out.stride(), cos.stride(0),
+        SIN_SIGN=-1.0 if inverse else 1.0, BLOCK_ROWS=ROPE_BLOCK_ROWS, BLOCK_DIM=max(2, triton.next_power_of_2(hd)),
         num_warps=ROPE_NUM_WARPS)
     return out
 
@@ -665,28 +674,25 @@ def embedding_forward_kernel(ids_ptr,                  # (N,) token ids
 @triton.jit
 def embedding_backward_segments_kernel(grad_ptr,       # (N, D) output gradient
                                        order_ptr,      # (N,) positions sorted by token id (stable)
-                                       offsets_ptr,    # (segments + 1,) start of each id's run in `order`
-                                       visit_rows_ptr, # (visits,) table row each program writes
-                                       visit_segments_ptr,  # (visits,) its segment, or -1 for a row no token hit
+                                       starts_ptr,     # (V + 1,) where row v's run begins in `order` (row V: N)
                                        main_grad_ptr,  # (V, D) fp32 gradient buffer, contiguous
                                        dim, grad_stride,
                                        OVERWRITE: tl.constexpr, BLOCK: tl.constexpr):
-    visit = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < dim
-    row = tl.load(visit_rows_ptr + visit).to(tl.int64)
-    segment = tl.load(visit_segments_ptr + visit)
-    start = tl.load(offsets_ptr + segment, mask=segment >= 0, other=0)
-    end = tl.load(offsets_ptr + segment + 1, mask=segment >= 0, other=0)
+    start = tl.load(starts_ptr + row)
+    end = tl.load(starts_ptr + row + 1)
     total = tl.zeros([BLOCK], dtype=tl.float32)
     for i in range(start, end):                                        # positions of this id, in order
         position = tl.load(order_ptr + i).to(tl.int64)
         total += tl.load(grad_ptr + position * grad_stride + cols, mask=mask, other=0.0).to(tl.float32)  # read D
     destination = main_grad_ptr + row * dim + cols
     if OVERWRITE:
-        tl.store(destination, total, mask=mask)                                     # write D * 4 bytes
+        tl.store(destination, total, mask=mask)                        # write D * 4 bytes
     else:
-        tl.store(destination, tl.load(destination, mask=mask) + total, mask=mask)   # read + write D * 4 bytes
+        hit = cols < tl.where(end > start, dim, 0)                     # an unhit row is left alone
+        tl.store(destination, tl.load(destination, mask=hit, other=0.0) + total, mask=hit)  # read + write D * 4 bytes
 
 @triton.jit
 def embedding_backward_atomic_kernel(ids_ptr,          # (N,) token ids
@@ -720,18 +726,9 @@ def embedding_backward_deterministic(ids, grad, main_grad, overwrite):
     V, D = main_grad.shape
     flat, g2 = ids.reshape(-1), as_rows(grad)
     sorted_ids, order = torch.sort(flat, stable=True)
-    unique_ids, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-    offsets = torch.zeros(len(unique_ids) + 1, dtype=torch.int32, device=ids.device)
-    offsets[1:] = counts.cumsum(0)
-    segments = torch.arange(len(unique_ids), dtype=torch.int32, device=ids.device)
-    if overwrite:
-        visit_rows = torch.arange(V, dtype=torch.int64, device=ids.device)
-        visit_segments = torch.full((V,), -1, dtype=torch.int32, device=ids.device)
-        visit_segments[unique_ids] = segments
-    else: visit_rows, visit_segments = unique_ids, segments
-    if len(visit_rows): embedding_backward_segments_kernel[(len(visit_rows), triton.cdiv(D, EMBEDDING_BLOCK))](
-        g2, order, offsets, visit_rows, visit_segments, main_grad, D, g2.stride(0),
-        OVERWRITE=overwrite, BLOCK=EMBEDDING_BLOCK, num_warps=EMBEDDING_NUM_WARPS)
+    starts = torch.searchsorted(sorted_ids, torch.arange(V + 1, dtype=sorted_ids.dtype, device=ids.device))  # (V + 1,)
+    if V: embedding_backward_segments_kernel[(V, triton.cdiv(D, EMBEDDING_BLOCK))](
+        g2, order, starts, main_grad, D, g2.stride(0), OVERWRITE=overwrite, BLOCK=EMBEDDING_BLOCK, num_warps=EMBEDDING_NUM_WARPS)
     return main_grad
 
 def embedding_backward_atomic(ids, grad, main_grad, overwrite):

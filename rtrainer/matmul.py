@@ -378,8 +378,17 @@ def _peak_ms(fn, reset):
     peak = torch.cuda.max_memory_allocated() - base
     return median_ms(lambda: (reset(), fn())), peak
 
-def benchmark_suite(quick=False):
-    "GPU: fused classifier vs torch.compile (ms, peak memory) at the rb100m and prof183m lm-heads, and the GEMM table."
+def _with_chunk_rows(rows, fn):
+    "fn() with CE_CHUNK_ROWS set to `rows` for the call."
+    global CE_CHUNK_ROWS
+    saved, CE_CHUNK_ROWS = CE_CHUNK_ROWS, rows
+    try: return fn()
+    finally: CE_CHUNK_ROWS = saved
+
+def benchmark_suite(quick=False, chunk_rows=(), gemm_models=None):
+    """GPU: fused classifier vs torch.compile (ms, peak memory) at the rb100m and prof183m lm-heads (N = 8 x 1024 if quick,
+    else the reference batch), also at each of `chunk_rows`; then the GEMM table of `gemm_models` (default: rb100m if
+    quick, else all). Saves 'matmul' and 'gemm'."""
     ce_rows = []
     for model in ("rb100m", "prof183m"):
         cfg = MODEL_SHAPES[model]
@@ -392,16 +401,21 @@ def benchmark_suite(quick=False):
         def reset(): hidden.grad = None; head.grad = None; head.main_grad_written = False
         arms = dict(fused=lambda: linear_cross_entropy(hidden, head, targets, V).backward(),
                     torch_compile=lambda: compiled(hidden, head, targets).backward())
+        for rows in chunk_rows:
+            arms[f"fused, {rows}-row chunks"] = lambda rows=rows: _with_chunk_rows(rows, arms["fused"])
         results = {arm: _peak_ms(fn, reset) for arm, fn in arms.items()}
         for arm, (ms, peak) in results.items():
             ce_rows.append(dict(model=model, N=N, D=D, V=V, VP=VP, impl=arm, ms=ms, peak_mib=peak / 2**20,
-                                tflops=3 * 2 * N * D * VP / (ms * 1e-3) / 1e12))
-        (fms, fpeak), (cms, cpeak) = results["fused"], results["torch_compile"]
-        ce_rows.append(dict(model=model, N=N, D=D, V=V, VP=VP, impl="fused / compile", ms=fms / cms, peak_mib=fpeak / cpeak))
+                                tflops=3 * 2 * N * D * VP / (ms * 1e-3) / 1e12, chunk_rows=CE_CHUNK_ROWS if arm == "fused" else None))
+        cms, cpeak = results["torch_compile"]
+        for arm, (fms, fpeak) in results.items():
+            if arm.startswith("fused"):
+                ce_rows.append(dict(model=model, N=N, D=D, V=V, VP=VP, impl=f"{arm} / compile", ms=fms / cms, peak_mib=fpeak / cpeak))
         del hidden, head, targets, compiled; torch.cuda.empty_cache()
-    save_results("matmul", ce_rows)
+    save_results("matmul", ce_rows, quick=quick)
+    for r in ce_rows: print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
     gemm_rows = []
-    for model in (["rb100m"] if quick else MODEL_SHAPES):
+    for model in gemm_models if gemm_models is not None else (["rb100m"] if quick else MODEL_SHAPES):
         gemm_rows += [dict(model=model, **r) for r in benchmark_gemm(gemm_shapes(MODEL_SHAPES[model]))]
-    save_results("gemm", gemm_rows)
+    if gemm_rows: save_results("gemm", gemm_rows)
     return ce_rows + gemm_rows

@@ -325,10 +325,17 @@ def _check_tensors(where, tensors, dtypes):
         if t.dtype not in dtypes: raise ValueError(f"{where}: got a {t.dtype} tensor, expected one of {dtypes}")
     return device
 
+_device_tables = {}
 def _tables(columns, device):
-    "Pack int64 columns (lists) into one tensor on `device` with one copy; returns the views, one per column."
-    flat = torch.tensor([x for column in columns for x in column], dtype=torch.int64).to(device)
-    return flat.split([len(column) for column in columns])
+    """Pack int64 columns (lists) into one tensor on `device`; returns the views, one per column. Cached by content:
+    a step whose tensors sit where last step's did (the usual case) reuses the device copy and pays no host-to-device
+    copy, which from pageable memory would wait for every kernel queued before it."""
+    key = (str(device), tuple(tuple(column) for column in columns))
+    if key not in _device_tables:
+        if len(_device_tables) >= 16: _device_tables.clear()
+        flat = torch.tensor([x for column in columns for x in column], dtype=torch.int64).to(device)
+        _device_tables[key] = flat.split([len(column) for column in columns])
+    return _device_tables[key]
 
 def _aligned(tensors): return all(t.data_ptr() % ALIGNMENT_BYTES == 0 for t in tensors)
 

@@ -7,12 +7,12 @@ Docs: https://example.invalid/rtrainer/rtrainer/profiling.html.md"""
 # %% auto #0
 __all__ = ['T_QUANTILE_975', 'PHASES', 'PROFILE_WARMUP_STEPS', 'CHART_ROWS', 'ARM_GUARD', 'TIERS', 'ARM_RESULT_PREFIX',
            'CHANGED_FRACTION', 'CHANGED_MIN_MS', 't_quantile_975', 'ratio_interval', 'spread', 'resolve_peak_tflops',
-           'days_for_tokens', 'ProfilingTrainer', 'attribute_device_events', 'profile_step', 'profile_trainer',
-           'profile_table', 'profile_chart', 'Worktree', 'run_in_worktree', 'tokens_per_s_from_metrics', 'ab_arm',
-           'summarize_pairs', 'print_summary', 'ab', 'PlainMoe', 'PlainBlock', 'PlainTransformer',
-           'plain_parameter_counts', 'check_parameter_counts', 'dtype_census', 'PlainAdamW', 'cuda_graphs_recorded',
-           'run_arm', 'arm_main', 'run_arm_process', 'versus', 'sweep_arch', 'changed_rows', 'add_profile_arguments',
-           'run_profile', 'add_ab_arguments', 'run_ab', 'add_versus_arguments', 'run_versus',
+           'days_for_tokens', 'ProfilingTrainer', 'attribute_device_events', 'device_gaps', 'profile_step',
+           'profile_trainer', 'profile_table', 'profile_chart', 'Worktree', 'run_in_worktree',
+           'tokens_per_s_from_metrics', 'ab_arm', 'summarize_pairs', 'print_summary', 'ab', 'PlainMoe', 'PlainBlock',
+           'PlainTransformer', 'plain_parameter_counts', 'check_parameter_counts', 'dtype_census', 'PlainAdamW',
+           'cuda_graphs_recorded', 'run_arm', 'arm_main', 'run_arm_process', 'versus', 'sweep_arch', 'changed_rows',
+           'add_profile_arguments', 'run_profile', 'add_ab_arguments', 'run_ab', 'add_versus_arguments', 'run_versus',
            'add_sweep_arch_arguments', 'run_sweep_arch']
 
 # %% ../nbs/07_profiling.ipynb #973d0d1b
@@ -82,10 +82,14 @@ class ProfilingTrainer(Trainer):
         for method in ("zero_grad", "grad_norm", "step"):
             setattr(opt, method, self._in_phase("optimizer", getattr(opt, method)))
 
+    sync_phases = False   # set for a profiled GPU step: each phase waits for its kernels before its range closes
+
     @contextmanager
     def phase(self, name):
         start = time.perf_counter()
-        with record_function(name): yield
+        with record_function(name):
+            yield
+            if self.sync_phases and self.device.type == "cuda": torch.cuda.synchronize(self.device)
         self.spans[name] += time.perf_counter() - start
 
     def _in_phase(self, name, fn):
@@ -99,18 +103,33 @@ class ProfilingTrainer(Trainer):
         return lm, lb
 
 # %% ../nbs/07_profiling.ipynb #db058a6b
+def _phase_at(ranges, t):
+    "The innermost phase range holding time t, or None."
+    inside = [(end - start, phase) for phase, start, end in ranges if t is not None and start <= t <= end]
+    return min(inside)[1] if inside else None
+
 def attribute_device_events(ranges, launches, device_events):
     """Rows {name, ms, calls} with names prefixed by phase.
     ranges: [(phase, start_ns, end_ns)] CPU phase ranges; launches: {correlation id: CPU start ns};
-    device_events: [(name, correlation id, duration_ns)]. A launch outside every range is charged to 'other'."""
+    device_events: [(name, correlation id, duration_ns[, device start ns])]. An event with a start time goes to the
+    range holding its midpoint; otherwise (or outside every range) to the range holding its launch; else 'other'."""
     totals, calls = defaultdict(float), defaultdict(int)
-    for name, corr, duration_ns in device_events:
-        t = launches.get(corr)
-        inside = [(end - start, phase) for phase, start, end in ranges if t is not None and start <= t <= end]
-        phase = min(inside)[1] if inside else "other"
+    for name, corr, duration_ns, *start in device_events:
+        phase = _phase_at(ranges, start[0] + duration_ns / 2) if start else None
+        phase = phase or _phase_at(ranges, launches.get(corr)) or "other"
         key = f"{phase}.{name}"
         totals[key] += duration_ns / 1e6; calls[key] += 1
     return sorted(({"name": k, "ms": v, "calls": calls[k]} for k, v in totals.items()), key=lambda r: -r["ms"])
+
+def device_gaps(device_events, top=5):
+    "(idle ms between the first and last device event, the `top` largest gaps as {after, before, us}) from events with start times."
+    timed = sorted((e[3], e[3] + e[2], e[0]) for e in device_events if len(e) > 3)
+    gaps, busy_until, last = [], None, None
+    for start, end, name in timed:
+        if busy_until is not None and start > busy_until: gaps.append((start - busy_until, last, name))
+        if busy_until is None or end >= busy_until: busy_until, last = end, name
+    gaps.sort(key=lambda g: -g[0])
+    return sum(g[0] for g in gaps) / 1e6, [dict(after=a, before=b, us=round(ns / 1e3, 1)) for ns, a, b in gaps[:top]]
 
 # %% ../nbs/07_profiling.ipynb #d3649a13
 def _activity(e):
@@ -131,7 +150,7 @@ def _kineto_lists(prof):
               if e.device_type() == cpu and e.name() in PHASES and "annotation" in activity(e)]
     launches = {e.correlation_id(): e.start_ns() for e in events
                 if e.device_type() == cpu and activity(e) in ("cpu_op", "user_annotation") and e.correlation_id()}
-    device = [(e.name(), e.linked_correlation_id(), e.duration_ns()) for e in events
+    device = [(e.name(), e.linked_correlation_id(), e.duration_ns(), e.start_ns()) for e in events
               if e.device_type() != cpu and "annotation" not in activity(e) and not e.is_user_annotation()]
     return ranges, launches, device
 
@@ -154,15 +173,19 @@ def profile_step(trainer, warmup=PROFILE_WARMUP_STEPS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(); trainer.train_step(warmup); end.record(); torch.cuda.synchronize(trainer.device)
         unprofiled_ms = start.elapsed_time(end)
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            start.record(); row = trainer.train_step(warmup + 1); end.record(); torch.cuda.synchronize(trainer.device)
+        trainer.sync_phases = True
+        try:
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                start.record(); row = trainer.train_step(warmup + 1); end.record(); torch.cuda.synchronize(trainer.device)
+        finally: trainer.sync_phases = False
         full_ms = start.elapsed_time(end)
         ranges, launches, device_events = _kineto_lists(prof)
         if not device_events or not ranges:
             raise RuntimeError(f"profile: the profiler returned {len(device_events)} device events and {len(ranges)} phase ranges; cannot attribute kernels")
         rows = attribute_device_events(ranges, launches, device_events)
         phases = {p: sum(r["ms"] for r in rows if r["name"].startswith(p + ".")) for p in PHASES}
-        method = "CUDA kernels (torch.profiler) and CUDA events around the step"
+        idle_ms, gaps = device_gaps(device_events)
+        method = "CUDA kernels (torch.profiler; phases synchronized at their ends) and CUDA events around the step"
     else:
         trainer.train_step(warmup)                       # the third step; matches the GPU path's unprofiled step
         t0 = time.perf_counter(); trainer.train_step(warmup); unprofiled_ms = (time.perf_counter() - t0) * 1e3
@@ -171,11 +194,13 @@ def profile_step(trainer, warmup=PROFILE_WARMUP_STEPS):
             t0 = time.perf_counter(); row = trainer.train_step(warmup + 1); full_ms = (time.perf_counter() - t0) * 1e3
         rows = _cpu_op_rows(prof)
         phases = {p: trainer.spans[p] * 1e3 for p in PHASES}
+        idle_ms, gaps = None, []
         method = "wall-clock phase spans and top-level CPU operators (torch.profiler)"
     kernel_sum = sum(r["ms"] for r in rows)
     if not math.isfinite(row["loss"]): raise NonFiniteLoss(f"profile: non-finite loss {row['loss']}")
     return dict(method=method, device=str(trainer.device), full_step_ms=full_ms, unprofiled_step_ms=unprofiled_ms,
-                phases_ms=phases, kernel_sum_ms=kernel_sum, unattributed_ms=full_ms - kernel_sum, loss=row["loss"], rows=rows)
+                phases_ms=phases, kernel_sum_ms=kernel_sum, unattributed_ms=full_ms - kernel_sum, loss=row["loss"], rows=rows,
+                device_idle_ms=idle_ms, largest_gaps=gaps)
 
 # %% ../nbs/07_profiling.ipynb #29e3bfed
 def profile_trainer(config="tiny", batch_size=None, seq_len=None, impl="auto", device="auto", **overrides):
@@ -201,6 +226,9 @@ def profile_table(report, top=40):
     line(f"all {unit}", report["kernel_sum_ms"]); line("unattributed (step minus all " + unit + ")", report["unattributed_ms"])
     line("full step", full)
     lines.append(f"full step without the profiler: {report['unprofiled_step_ms']:.3f} ms")
+    if report.get("device_idle_ms") is not None:
+        lines.append(f"device idle between its first and last kernel: {report['device_idle_ms']:.3f} ms; largest gaps:")
+        lines += [f"  {g['us']:>9.1f} us  after {g['after'][:50]}  before {g['before'][:50]}" for g in report["largest_gaps"]]
     return "\n".join(lines)
 
 def profile_chart(report, path, top=CHART_ROWS):
@@ -715,7 +743,7 @@ def run_profile(args):
         rows = [dict(name=f"[phase] {k}", ms=v) for k, v in report["phases_ms"].items()] + report["rows"] + [
             dict(name="all kernels", ms=report["kernel_sum_ms"]), dict(name="unattributed", ms=report["unattributed_ms"]),
             dict(name="full step", ms=report["full_step_ms"])]
-        print(f"recorded: {save_results(f'profile_{args.config}', rows, batch_size=report['batch_size'], seq_len=report['seq_len'])}")
+        print(f"recorded: {save_results(f'profile_{args.config}', rows, batch_size=report['batch_size'], seq_len=report['seq_len'], config=args.config, method=report['method'], full_step_without_profiler_ms=report['unprofiled_step_ms'], device_idle_ms=report['device_idle_ms'], largest_gaps=report['largest_gaps'])}")
     if base:
         print(f"full step: baseline {args.baseline_ref} ({base['commit'][:10]}) {base['full_step_ms']:.3f} ms, "
               f"this tree {report['full_step_ms']:.3f} ms ({report['full_step_ms'] / base['full_step_ms']:.3f}x)")

@@ -17,24 +17,35 @@ stage() {  # stage NAME LIMIT_SECONDS COMMAND...
   local rc=$?
   tail -n 25 "$OUT/$name.log"
   printf '%-28s rc=%-4s %4ss\n' "$name" "$rc" "$((SECONDS-t0))" >> "$SUMMARY"
+  tar czf "$OUT/results.tgz" data/results 2>/dev/null   # after every stage: a call cut short keeps what it measured
 }
+RT="$PY -m rtrainer"
 
 for s in "$@"; do case $s in
   env)       stage env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,temperature.gpu --format=csv; $PY -c 'import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())'; $PY -m rtrainer doctor" ;;
   parity-*)  f=${s#parity-}; stage "parity_$f" "${PARITY_LIMIT:-150}" $PY -m pytest -m cuda -v -p no:cacheprovider -o addopts="" --timeout 140 --durations=8 "tests/test_${f}_gpu.py" ;;
   train)     stage train ${TRAIN_LIMIT:-300} $PY tests/gpu_train_bench.py --arms rb100m:32:torch,rb100m:32:triton,dense1b:16:torch,dense1b:16:triton --rounds ${ROUNDS:-2} --steps ${STEPS:-12} --name training_throughput ;;
   kernels)   stage bench_kernels 150 $PY -c "from rtrainer.kernels import benchmark_suite; benchmark_suite(quick=True)" ;;
+  kernels-full) stage bench_kernels_full ${KERNELS_LIMIT:-200} $PY -c "from rtrainer.kernels import benchmark_suite; benchmark_suite()" ;;
+  sweeps)    stage sweeps ${SWEEPS_LIMIT:-150} bash -c "
+      $RT sweep rms_norm 'BACKWARD_BLOCK_ROWS=1 BACKWARD_NUM_WARPS=8,BACKWARD_BLOCK_ROWS=2 BACKWARD_NUM_WARPS=8,BACKWARD_BLOCK_ROWS=4 BACKWARD_NUM_WARPS=8,BACKWARD_BLOCK_ROWS=4 BACKWARD_NUM_WARPS=16,BACKWARD_BLOCK_ROWS=8 BACKWARD_NUM_WARPS=16,BACKWARD_BLOCK_ROWS=4 BACKWARD_NUM_WARPS=16 BACKWARD_PROGRAMS_PER_SM=2,BLOCK_ROWS=2 NUM_WARPS=8,BLOCK_ROWS=4 NUM_WARPS=16' --sizes 32768x3072;
+      $RT sweep rope 'BLOCK_ROWS=16 NUM_WARPS=4,BLOCK_ROWS=32 NUM_WARPS=4,BLOCK_ROWS=64 NUM_WARPS=4,BLOCK_ROWS=128 NUM_WARPS=8,BLOCK_ROWS=64 NUM_WARPS=8' --sizes 32x4096x32x128 32x1024x12x64;
+      $RT sweep embedding 'BLOCK=256 NUM_WARPS=2,BLOCK=512 NUM_WARPS=4,BLOCK=1024 NUM_WARPS=4,BLOCK=2048 NUM_WARPS=8' --sizes 16384x50432x2048" ;;
+  matmul-ce) stage bench_matmul_ce 150 $PY -c "from rtrainer.matmul import benchmark_suite; benchmark_suite(chunk_rows=(2048,), gemm_models=())" ;;
+  gemm-all)  stage bench_gemm_all ${GEMM_LIMIT:-240} $PY -c "from rtrainer.matmul import benchmark_suite; benchmark_suite(gemm_models=list(__import__('rtrainer.matmul').matmul.MODEL_SHAPES))" ;;
+  profile-*) c=${s#profile-}; stage "profile_$c" 120 $RT profile --config "$c" ;;
+  e2e-*)     c=${s#e2e-}; b=$($PY -c "from rtrainer.model import REFERENCE_BATCH as R; print(R['$c'])"); stage "e2e_$c" ${E2E_LIMIT:-300} $PY tests/gpu_train_bench.py --arms $c:$b:torch,$c:$b:triton --rounds ${ROUNDS:-2} --steps ${STEPS:-10} --name "training_throughput_$c" ;;
   attention) stage bench_attention 180 $PY -c "from rtrainer.attention import benchmark_suite; benchmark_suite()" ;;
   matmul)    stage bench_matmul 150 $PY -c "from rtrainer.matmul import benchmark_suite; benchmark_suite(quick=True)" ;;
   moe)       stage bench_moe 150 $PY -c "from rtrainer.moe import benchmark_suite; benchmark_suite(rounds=3)" ;;
   optimizer) stage bench_optimizer 90 $PY -c "from rtrainer.optimizer import benchmark_suite; benchmark_suite(quick=True)" ;;
   profile)   stage profile 100 $PY -m rtrainer profile --config prof183m --batch-size 32 ;;
   versus-*)  c=${s#versus-}; stage "versus_$c" "${VERSUS_LIMIT:-220}" $PY -m rtrainer versus --config "$c" --tiers "${TIERS:-default}" --rounds "${ROUNDS:-2}" --steps 4 --warmup 3 --timeout 160 ;;
-  fsdp)      stage fsdp 160 $PY -c "from rtrainer.distributed import benchmark_suite; print(benchmark_suite(steps=16))" ;;
+  fsdp)      stage fsdp ${FSDP_LIMIT:-300} $PY -c "from rtrainer.distributed import benchmark_suite; print(benchmark_suite(steps=${STEPS:-12}, rounds=${ROUNDS:-3}, impl='${IMPL:-triton}'))" ;;
   optimizer-full) stage bench_optimizer_full 70 $PY -c "from rtrainer.optimizer import benchmark_suite; benchmark_suite()" ;;
   *) echo "unknown stage $s"; exit 2 ;;
 esac; done
 
 tar czf "$OUT/results.tgz" data/results 2>/dev/null
 echo; echo "=== summary ($((SECONDS-start_all)) s)"; cat "$SUMMARY"
-grep -hE "^(rb100m|dense1b|prof183m|moe4b)|ratio" "$OUT/train.log" 2>/dev/null | tail -n 12
+grep -hE "^(rb100m|dense1b|prof183m|moe4b)|ratio" "$OUT"/train.log "$OUT"/e2e_*.log 2>/dev/null | tail -n 12

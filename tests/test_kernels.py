@@ -27,7 +27,7 @@ def test_op_parity_forward_backward(name, dtype):
     assert res["ok"], res
 
 @needs_kernels
-@pytest.mark.parametrize("shape", [(3, 5, 77), (7, 5), (2, 130)])
+@pytest.mark.parametrize("shape", [(3, 5, 77), (7, 5), (2, 130), (41, 77)])  # 41 rows: several row blocks per backward program, the last one partial
 def test_rms_norm_shapes_and_poison(shape):
     x, w = torch.randn(*shape), torch.rand(shape[-1]) + 0.5
     y, _, rstd = K.rms_norm_forward(x, w, out=torch.full_like(x, nan))
@@ -73,6 +73,16 @@ def test_rope_in_place_strided_and_inverse():
     assert torch.equal(qkv[:, :, 3:], untouched)
     K.check_close("rope inverse", K.rope_apply(q, cos, sin, inverse=True), original.double(), 1e-5)
     with pytest.raises(ValueError, match="tables"): K.rope_apply(torch.randn(2, 6, 3, 12), cos, sin)
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(3, 9, 5, 6), (1, 4, 2, 2), (2, 33, 3, 10)])
+def test_rope_many_rows_odd_head_dims(shape):
+    "More (position, head) rows than one program takes, the last block partial; head dims that are not powers of two."
+    B, T, H, hd = shape
+    cos, sin = K.rope_tables(T, hd)
+    x = torch.randn(B, T, H, hd)
+    out = K.rope_apply(x, cos, sin, out=torch.full_like(x, nan))
+    K.check_close(f"rope {shape}", out, K.rope_reference(x.double(), cos.double(), sin.double()), 1e-5)
 
 @needs_kernels
 def test_swiglu_strided_rows_and_poison():
