@@ -86,8 +86,8 @@ def flash_forward_kernel(
     H, T, GROUP, scale_log2,                            # GROUP = H // KV query heads per KV head
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
-    bh = tl.program_id(0)
-    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M   # last query block first: the longest causal walk
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
     b, h = (bh // H).to(tl.int64), bh % H
     kvh = (h // GROUP).to(tl.int64)
     h = h.to(tl.int64)
@@ -158,8 +158,8 @@ def flash_backward_dkdv_kernel(
     H, KV, T, GROUP, scale_log2, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
-    bkv = tl.program_id(0)
-    start_n = tl.program_id(1) * BLOCK_N                # first key block first: the longest causal walk
+    start_n = tl.program_id(0) * BLOCK_N
+    bkv = tl.program_id(1)
     b, kvh = (bkv // KV).to(tl.int64), (bkv % KV).to(tl.int64)
     k_pos = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -223,8 +223,8 @@ def flash_backward_dq_kernel(
     H, T, GROUP, scale_log2, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
-    bh = tl.program_id(0)
-    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M   # last query block first: the longest causal walk
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
     b, h = (bh // H).to(tl.int64), bh % H
     kvh = (h // GROUP).to(tl.int64)
     h = h.to(tl.int64)
@@ -305,7 +305,7 @@ def flash_attention_forward(q, k, v, causal=True, o=None, lse=None):
     o = _output(o, (B, T, H, hd), q, "o")
     lse = _output(lse, (B, H, T), q, "lse", torch.float32)
     sm_scale = 1.0 / math.sqrt(hd)
-    grid = lambda meta: (B * H, triton.cdiv(T, meta["BLOCK_M"]))
+    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)
     _forward_launch[grid](q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
                           H, T, H // KV, sm_scale * LOG2_E, HEAD_DIM=hd, CAUSAL=causal,
                           PRECISION=_precision(q.dtype), **_blocks())
@@ -324,10 +324,10 @@ def flash_attention_backward(do, q, k, v, o, lse, causal=True, dq=None, dk=None,
     dk = _output(dk, (B, T, KV, hd), k, "dk")
     dv = _output(dv, (B, T, KV, hd), v, "dv")
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
-    _dkdv_launch[lambda meta: (B * KV, triton.cdiv(T, meta["BLOCK_N"]))](
+    _dkdv_launch[lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * KV)](
         q, k, v, do, lse, delta, dk, dv, *strides, *dk.stride()[:3], H, KV, T, H // KV, sm_scale * LOG2_E, sm_scale,
         HEAD_DIM=hd, CAUSAL=causal, PRECISION=_precision(q.dtype), **_blocks())
-    _dq_launch[lambda meta: (B * H, triton.cdiv(T, meta["BLOCK_M"]))](
+    _dq_launch[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)](
         q, k, v, do, lse, delta, dq, *strides, *dq.stride()[:3], H, T, H // KV, sm_scale * LOG2_E, sm_scale,
         HEAD_DIM=hd, CAUSAL=causal, PRECISION=_precision(q.dtype), **_blocks())
     return dq, dk, dv

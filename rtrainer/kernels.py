@@ -8,24 +8,25 @@ Docs: https://example.invalid/rtrainer/rtrainer/kernels.html.md"""
 __all__ = ['OPS', 'PROJECT_ROOT', 'RESULTS_DIR', 'INTERPRETING', 'KERNELS_CAN_RUN', 'COPY_CEILING_GBPS', 'VECADD_BLOCK',
            'VECADD_NUM_WARPS', 'TOLERANCE', 'RMS_NORM_BLOCK_ROWS', 'RMS_NORM_NUM_WARPS',
            'RMS_NORM_BACKWARD_PROGRAMS_PER_SM', 'RMS_NORM_BACKWARD_BLOCK_ROWS', 'RMS_NORM_BACKWARD_NUM_WARPS',
-           'RMS_NORM_MAX_COLS', 'OP_EXAMPLES', 'SCALES', 'ROPE_BLOCK_ROWS', 'ROPE_NUM_WARPS', 'SWIGLU_BLOCK',
-           'SWIGLU_NUM_WARPS', 'EMBEDDING_BLOCK', 'EMBEDDING_NUM_WARPS', 'EMBEDDING_BACKWARD', 'EMBEDDING_BACKWARDS',
-           'BENCHMARKS', 'BENCHMARK_COLUMNS', 'register_op', 'resolve_impl', 'get_op', 'at_least_fp32',
-           'rms_norm_reference', 'add_rms_norm_reference', 'rope_tables', 'rope_reference', 'swiglu_reference',
-           'embedding_reference', 'start_gradient_step', 'main_grad_for_write', 'mark_main_grad_written',
-           'accumulate_main_grad', 'gradient_fp32', 'median_ms', 'git_commit', 'machine_metadata', 'save_results',
-           'load_results', 'show_results', 'check_kernel_device', 'vecadd_kernel', 'vecadd', 'relative_error',
-           'check_close', 'time_ms', 'benchmark_row', 'bench_vecadd', 'rms_norm_forward_kernel',
-           'rms_norm_backward_kernel', 'as_rows', 'rms_norm_forward', 'rms_norm_backward', 'RMSNormFunction',
-           'AddRMSNormFunction', 'rms_norm_triton', 'add_rms_norm_triton', 'register_op_example', 'run_op_with_grads',
-           'check_op', 'rope_kernel', 'rope_apply', 'RoPEFunction', 'rope_triton', 'swiglu_forward_kernel',
-           'swiglu_backward_kernel', 'swiglu_forward', 'swiglu_backward', 'SwiGLUFunction', 'swiglu_triton',
-           'embedding_forward_kernel', 'embedding_backward_segments_kernel', 'embedding_backward_atomic_kernel',
-           'embedding_forward', 'embedding_backward_deterministic', 'embedding_backward_atomic', 'EmbeddingFunction',
-           'embedding_triton', 'embedding_run_to_run_differences', 'bench_rms_norm', 'bench_add_rms_norm', 'bench_rope',
-           'bench_swiglu', 'bench_embedding', 'register_benchmark', 'benchmark_suite', 'print_table',
-           'add_doctor_arguments', 'run_doctor', 'parse_size', 'add_bench_arguments', 'run_ops_check', 'run_bench',
-           'kernel_knobs', 'parse_variants', 'add_sweep_arguments', 'run_sweep']
+           'RMS_NORM_BACKWARD_NUM_STAGES', 'RMS_NORM_MAX_COLS', 'OP_EXAMPLES', 'SCALES', 'ROPE_BLOCK_ROWS',
+           'ROPE_NUM_WARPS', 'SWIGLU_BLOCK', 'SWIGLU_NUM_WARPS', 'EMBEDDING_BLOCK', 'EMBEDDING_NUM_WARPS',
+           'EMBEDDING_BACKWARD', 'EMBEDDING_BACKWARDS', 'BENCHMARKS', 'BENCHMARK_COLUMNS', 'register_op',
+           'resolve_impl', 'get_op', 'at_least_fp32', 'rms_norm_reference', 'add_rms_norm_reference', 'rope_tables',
+           'rope_reference', 'swiglu_reference', 'embedding_reference', 'start_gradient_step', 'main_grad_for_write',
+           'mark_main_grad_written', 'accumulate_main_grad', 'gradient_fp32', 'median_ms', 'git_commit',
+           'machine_metadata', 'save_results', 'load_results', 'show_results', 'check_kernel_device', 'vecadd_kernel',
+           'vecadd', 'relative_error', 'check_close', 'time_ms', 'benchmark_row', 'bench_vecadd',
+           'rms_norm_forward_kernel', 'rms_norm_backward_kernel', 'as_rows', 'rms_norm_forward', 'rms_norm_backward',
+           'RMSNormFunction', 'AddRMSNormFunction', 'rms_norm_triton', 'add_rms_norm_triton', 'register_op_example',
+           'run_op_with_grads', 'check_op', 'rope_kernel', 'rope_apply', 'RoPEFunction', 'rope_triton',
+           'swiglu_forward_kernel', 'swiglu_backward_kernel', 'swiglu_forward', 'swiglu_backward', 'SwiGLUFunction',
+           'swiglu_triton', 'embedding_forward_kernel', 'embedding_backward_segments_kernel',
+           'embedding_backward_atomic_kernel', 'embedding_forward', 'embedding_backward_deterministic',
+           'embedding_backward_atomic', 'EmbeddingFunction', 'embedding_triton', 'embedding_run_to_run_differences',
+           'bench_rms_norm', 'bench_add_rms_norm', 'bench_rope', 'bench_swiglu', 'bench_embedding',
+           'register_benchmark', 'benchmark_suite', 'print_table', 'add_doctor_arguments', 'run_doctor', 'parse_size',
+           'add_bench_arguments', 'run_ops_check', 'run_bench', 'kernel_knobs', 'parse_variants', 'add_sweep_arguments',
+           'run_sweep']
 
 # %% ../nbs/01_kernels.ipynb #127953a0
 import datetime, json, math, os, platform, re, subprocess, sys, time, warnings
@@ -289,8 +290,9 @@ def bench_vecadd(size, dtype=torch.bfloat16, device="cuda", compare_compile=True
 RMS_NORM_BLOCK_ROWS = 1            # rows per forward program
 RMS_NORM_NUM_WARPS = 8
 RMS_NORM_BACKWARD_PROGRAMS_PER_SM = 4  # backward programs per SM; each owns a partial weight gradient
-RMS_NORM_BACKWARD_BLOCK_ROWS = 4       # rows a backward program loads at once (more bytes in flight per program)
-RMS_NORM_BACKWARD_NUM_WARPS = 16
+RMS_NORM_BACKWARD_BLOCK_ROWS = 1       # rows a backward program loads at once
+RMS_NORM_BACKWARD_NUM_WARPS = 8
+RMS_NORM_BACKWARD_NUM_STAGES = 3       # software-pipelining depth of the row loop
 RMS_NORM_MAX_COLS = 65536          # widest row a program holds in registers
 
 @triton.jit
@@ -392,7 +394,7 @@ def rms_norm_backward(dy, x, weight, rstd, dsummed=None, dx=None):
     rms_norm_backward_kernel[(n_programs,)](
         dy2, x2, weight, rstd, ds2, dx2, partial, n_rows, D, dy2.stride(0), x2.stride(0), ds2.stride(0), dx2.stride(0),
         HAS_DSUMMED=dsummed is not None, BLOCK_ROWS=RMS_NORM_BACKWARD_BLOCK_ROWS, BLOCK_COLS=triton.next_power_of_2(D),
-        num_warps=RMS_NORM_BACKWARD_NUM_WARPS)
+        num_warps=RMS_NORM_BACKWARD_NUM_WARPS, num_stages=RMS_NORM_BACKWARD_NUM_STAGES)
     return dx, partial.sum(0)
 
 # %% ../nbs/01_kernels.ipynb #e4566f00

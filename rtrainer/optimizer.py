@@ -326,54 +326,65 @@ def _check_tensors(where, tensors, dtypes):
     return device
 
 _device_tables = {}
-def _tables(columns, device):
-    """Pack int64 columns (lists) into one tensor on `device`; returns the views, one per column. Cached by content:
-    a step whose tensors sit where last step's did (the usual case) reuses the device copy and pays no host-to-device
-    copy, which from pageable memory would wait for every kernel queued before it."""
+def _tables(columns, device, validate=lambda: None):
+    """Pack int64 columns (lists) into one tensor on `device`; returns (views, one per column; ALIGNED flag). Cached by
+    content: a step whose tensors sit where last step's did (the usual case) reuses the device copy and skips
+    `validate()`, the checks of every tensor, which were made when the entry was built. A new entry crosses from pinned
+    memory without waiting for the GPU (a copy from pageable memory would wait for every kernel queued before it)."""
     key = (str(device), tuple(tuple(column) for column in columns))
     if key not in _device_tables:
+        validate()
         if len(_device_tables) >= 16: _device_tables.clear()
-        flat = torch.tensor([x for column in columns for x in column], dtype=torch.int64).to(device)
+        flat = torch.tensor([x for column in columns for x in column], dtype=torch.int64)
+        flat = flat.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else flat.to(device)
         _device_tables[key] = flat.split([len(column) for column in columns])
     return _device_tables[key]
 
-def _aligned(tensors): return all(t.data_ptr() % ALIGNMENT_BYTES == 0 for t in tensors)
+def _check_adamw_group(group, dtype):
+    masters = [w[0] for w in group]
+    fp32_tensors = [t for w in group for t in w[1:4]]
+    _check_tensors("fused_adamw_update", masters, (dtype,))
+    _check_tensors("fused_adamw_update", masters + fp32_tensors, (dtype, torch.float32))
+    _check_tensors("fused_adamw_update", fp32_tensors, (torch.float32,))
+    for param, grad, exp_avg, exp_avg_sq, _ in group:
+        if not (param.shape == grad.shape == exp_avg.shape == exp_avg_sq.shape):
+            raise ValueError(f"fused_adamw_update: shapes differ: param {tuple(param.shape)}, grad {tuple(grad.shape)}, moments {tuple(exp_avg.shape)}")
 
 def fused_adamw_update(work, s):
     "AdamW step on every (param, fp32 grad, exp_avg, exp_avg_sq, decay) of `work` with the Triton kernel: one launch per master dtype."
     for dtype in (torch.bfloat16, torch.float32):
         group = [w for w in work if w[0].dtype == dtype]
         if not group: continue
-        masters = [w[0] for w in group]
-        fp32_tensors = [t for w in group for t in w[1:4]]
-        _check_tensors("fused_adamw_update", masters, (dtype,))
-        device = _check_tensors("fused_adamw_update", masters + fp32_tensors, (dtype, torch.float32))
-        _check_tensors("fused_adamw_update", fp32_tensors, (torch.float32,))
-        for param, grad, exp_avg, exp_avg_sq, _ in group:
-            if not (param.shape == grad.shape == exp_avg.shape == exp_avg_sq.shape):
-                raise ValueError(f"fused_adamw_update: shapes differ: param {tuple(param.shape)}, grad {tuple(grad.shape)}, moments {tuple(exp_avg.shape)}")
-        numels = [p.numel() for p in masters]
+        device = group[0][0].device
+        if not kernels_can_run(device): raise ValueError(f"fused_adamw_update: Triton kernels need a CUDA device or TRITON_INTERPRET=1 (tensors are on {device})")
+        numels = [w[0].numel() for w in group]
         chunk_tensors, chunk_indices = chunk_plan(numels, ADAMW_CHUNK_SIZE)
         if not chunk_tensors: continue
-        tables = _tables([[w[k].data_ptr() for w in group] for k in range(4)] +
-                         [numels, [int(w[4]) for w in group], chunk_tensors, chunk_indices], device)
+        addresses = [[w[k].data_ptr() for w in group] for k in range(4)]
+        tables = _tables(addresses + [numels, [int(w[4]) for w in group], chunk_tensors, chunk_indices], device,
+                         validate=lambda: _check_adamw_group(group, dtype))
         adamw_multi_tensor_kernel[(len(chunk_tensors),)](
             *tables, s["lr"], s["lr_weight_decay"], s["beta1"], s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"],
             s["inv_bias_correction1"], s["inv_bias_correction2"], s["eps"], s["grad_scale"],
-            PARAM_IS_BF16=dtype == torch.bfloat16, ALIGNED=_aligned(masters + fp32_tensors),
+            PARAM_IS_BF16=dtype == torch.bfloat16, ALIGNED=all(a % ALIGNMENT_BYTES == 0 for column in addresses for a in column),
             CHUNK_SIZE=ADAMW_CHUNK_SIZE, BLOCK_SIZE=ADAMW_BLOCK_SIZE, num_warps=ADAMW_NUM_WARPS, enable_fp_fusion=False)
 
 def fused_grad_norm(grads):
     "Global L2 norm (fp32 scalar tensor) of fp32 `grads` in one Triton sweep plus a reduction of per-chunk partial sums."
-    device = _check_tensors("fused_grad_norm", grads, (torch.float32,))
+    if not grads: raise ValueError("fused_grad_norm: no gradients")
+    device = grads[0].device
     numels = [g.numel() for g in grads]
     chunk_tensors, chunk_indices = chunk_plan(numels, ADAMW_CHUNK_SIZE)
-    if not chunk_tensors: return torch.zeros((), dtype=torch.float32, device=device)
-    tables = _tables([[g.data_ptr() for g in grads], numels, chunk_tensors, chunk_indices], device)
+    if not chunk_tensors:
+        _check_tensors("fused_grad_norm", grads, (torch.float32,))
+        return torch.zeros((), dtype=torch.float32, device=device)
+    addresses = [g.data_ptr() for g in grads]
+    tables = _tables([addresses, numels, chunk_tensors, chunk_indices], device,
+                     validate=lambda: _check_tensors("fused_grad_norm", grads, (torch.float32,)))
     partial_sums = torch.full((len(chunk_tensors),), float("nan"), dtype=torch.float32, device=device)  # poisoned: an unwritten partial shows as NaN
     sum_of_squares_multi_tensor_kernel[(len(chunk_tensors),)](
-        *tables, partial_sums, ALIGNED=_aligned(grads), CHUNK_SIZE=ADAMW_CHUNK_SIZE, BLOCK_SIZE=ADAMW_BLOCK_SIZE,
-        num_warps=ADAMW_NUM_WARPS)
+        *tables, partial_sums, ALIGNED=all(a % ALIGNMENT_BYTES == 0 for a in addresses), CHUNK_SIZE=ADAMW_CHUNK_SIZE,
+        BLOCK_SIZE=ADAMW_BLOCK_SIZE, num_warps=ADAMW_NUM_WARPS)
     return partial_sums.sum().sqrt()
 
 register_op("adamw_update_all", "triton", fused_adamw_update)

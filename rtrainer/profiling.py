@@ -121,15 +121,19 @@ def attribute_device_events(ranges, launches, device_events):
         totals[key] += duration_ns / 1e6; calls[key] += 1
     return sorted(({"name": k, "ms": v, "calls": calls[k]} for k, v in totals.items()), key=lambda r: -r["ms"])
 
-def device_gaps(device_events, top=5):
-    "(idle ms between the first and last device event, the `top` largest gaps as {after, before, us}) from events with start times."
+def device_gaps(device_events, top=5, ranges=()):
+    """(idle ms between the first and last device event, the `top` largest gaps) from events with start times. A gap is
+    {after, before, us, at_ms (from the first event), phase (the range holding its middle, or 'between phases')}."""
     timed = sorted((e[3], e[3] + e[2], e[0]) for e in device_events if len(e) > 3)
     gaps, busy_until, last = [], None, None
     for start, end, name in timed:
-        if busy_until is not None and start > busy_until: gaps.append((start - busy_until, last, name))
+        if busy_until is not None and start > busy_until: gaps.append((start - busy_until, busy_until, last, name))
         if busy_until is None or end >= busy_until: busy_until, last = end, name
     gaps.sort(key=lambda g: -g[0])
-    return sum(g[0] for g in gaps) / 1e6, [dict(after=a, before=b, us=round(ns / 1e3, 1)) for ns, a, b in gaps[:top]]
+    first = timed[0][0] if timed else 0
+    return sum(g[0] for g in gaps) / 1e6, [dict(after=a, before=b, us=round(ns / 1e3, 1), at_ms=round((t - first) / 1e6, 3),
+                                                phase=_phase_at(ranges, t + ns / 2) or "between phases")
+                                           for ns, t, a, b in gaps[:top]]
 
 # %% ../nbs/07_profiling.ipynb #d3649a13
 def _activity(e):
@@ -164,7 +168,7 @@ def _cpu_op_rows(prof):
         totals[key] += e.cpu_time_total / 1e3; calls[key] += 1
     return sorted(({"name": k, "ms": v, "calls": calls[k]} for k, v in totals.items()), key=lambda r: -r["ms"])
 
-def profile_step(trainer, warmup=PROFILE_WARMUP_STEPS):
+def profile_step(trainer, warmup=PROFILE_WARMUP_STEPS, gaps=8):
     "Report dict of one measured step after `warmup` steps: phases, per-kernel (or per-op) rows, sums, full step."
     for s in range(warmup): trainer.train_step(s)
     cuda = trainer.device.type == "cuda"
@@ -184,7 +188,7 @@ def profile_step(trainer, warmup=PROFILE_WARMUP_STEPS):
             raise RuntimeError(f"profile: the profiler returned {len(device_events)} device events and {len(ranges)} phase ranges; cannot attribute kernels")
         rows = attribute_device_events(ranges, launches, device_events)
         phases = {p: sum(r["ms"] for r in rows if r["name"].startswith(p + ".")) for p in PHASES}
-        idle_ms, gaps = device_gaps(device_events)
+        idle_ms, gaps = device_gaps(device_events, gaps, ranges)
         method = "CUDA kernels (torch.profiler; phases synchronized at their ends) and CUDA events around the step"
     else:
         trainer.train_step(warmup)                       # the third step; matches the GPU path's unprofiled step
@@ -228,7 +232,8 @@ def profile_table(report, top=40):
     lines.append(f"full step without the profiler: {report['unprofiled_step_ms']:.3f} ms")
     if report.get("device_idle_ms") is not None:
         lines.append(f"device idle between its first and last kernel: {report['device_idle_ms']:.3f} ms; largest gaps:")
-        lines += [f"  {g['us']:>9.1f} us  after {g['after'][:50]}  before {g['before'][:50]}" for g in report["largest_gaps"]]
+        lines += [f"  {g['us']:>9.1f} us at {g['at_ms']:>8.3f} ms ({g['phase']}) after {g['after'][:40]}  before {g['before'][:40]}"
+                  for g in report["largest_gaps"]]
     return "\n".join(lines)
 
 def profile_chart(report, path, top=CHART_ROWS):

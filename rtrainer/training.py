@@ -310,7 +310,7 @@ class Trainer:
             inputs, targets = self.data.batch(step, B * n, c.seq_len, rank=self.rank, world_size=self.world_size)
             mask = None
         if self.device.type == "cuda":   # from pinned memory the copy is truly asynchronous; from pageable memory it waits for the GPU
-            inputs, targets = inputs.pin_memory(), targets.pin_memory()
+            inputs, targets = inputs.contiguous().pin_memory(), targets.contiguous().pin_memory()  # a strided source would be copied to pageable memory first
         for i in range(n):
             s = slice(i * B, (i + 1) * B)
             yield (inputs[s].to(self.device, non_blocking=True), targets[s].to(self.device, non_blocking=True),

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The one GPU script: `bash tests/gpu_suite.sh STAGE...` on the GPU machine (stages below, run in the order
 # given, each under its own time limit). Logs go to $OUT; the recorded data/results/*.json come back in
-# $OUT/results.tgz. Prints a short summary table last.
+# $OUT/results.tgz, the stage logs in $OUT/logs.tgz. Prints a short summary table last.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/rtrainer-gpu}; mkdir -p "$OUT"
-SUMMARY=$OUT/summary.txt; : > "$SUMMARY"
+LOGS=$(mktemp -d /tmp/rtrainer-logs.XXXX)   # stage logs; they come back as $OUT/logs.tgz (the device returns at most 8 files)
+SUMMARY=$LOGS/summary.txt; : > "$SUMMARY"
 PY=${PY:-python3}
 start_all=$SECONDS
 
@@ -13,11 +14,12 @@ stage() {  # stage NAME LIMIT_SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
   echo "=== $name (limit ${limit}s)"
-  timeout --signal=INT --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout --signal=INT --kill-after=10 "$limit" "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
-  tail -n 25 "$OUT/$name.log"
+  grep -v -i "warn\|scaled_dot_product_attention(" "$LOGS/$name.log" | tail -n ${TAIL:-25}
   printf '%-28s rc=%-4s %4ss\n' "$name" "$rc" "$((SECONDS-t0))" >> "$SUMMARY"
   tar czf "$OUT/results.tgz" data/results 2>/dev/null   # after every stage: a call cut short keeps what it measured
+  tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
 }
 RT="$PY -m rtrainer"
 
@@ -27,10 +29,7 @@ for s in "$@"; do case $s in
   train)     stage train ${TRAIN_LIMIT:-300} $PY tests/gpu_train_bench.py --arms rb100m:32:torch,rb100m:32:triton,dense1b:16:torch,dense1b:16:triton --rounds ${ROUNDS:-2} --steps ${STEPS:-12} --name training_throughput ;;
   kernels)   stage bench_kernels 150 $PY -c "from rtrainer.kernels import benchmark_suite; benchmark_suite(quick=True)" ;;
   kernels-full) stage bench_kernels_full ${KERNELS_LIMIT:-200} $PY -c "from rtrainer.kernels import benchmark_suite; benchmark_suite()" ;;
-  sweeps)    stage sweeps ${SWEEPS_LIMIT:-150} bash -c "
-      $RT sweep rms_norm 'BACKWARD_BLOCK_ROWS=1 BACKWARD_NUM_WARPS=8,BACKWARD_BLOCK_ROWS=2 BACKWARD_NUM_WARPS=8,BACKWARD_BLOCK_ROWS=4 BACKWARD_NUM_WARPS=8,BACKWARD_BLOCK_ROWS=4 BACKWARD_NUM_WARPS=16,BACKWARD_BLOCK_ROWS=8 BACKWARD_NUM_WARPS=16,BACKWARD_BLOCK_ROWS=4 BACKWARD_NUM_WARPS=16 BACKWARD_PROGRAMS_PER_SM=2,BLOCK_ROWS=2 NUM_WARPS=8,BLOCK_ROWS=4 NUM_WARPS=16' --sizes 32768x3072;
-      $RT sweep rope 'BLOCK_ROWS=16 NUM_WARPS=4,BLOCK_ROWS=32 NUM_WARPS=4,BLOCK_ROWS=64 NUM_WARPS=4,BLOCK_ROWS=128 NUM_WARPS=8,BLOCK_ROWS=64 NUM_WARPS=8' --sizes 32x4096x32x128 32x1024x12x64;
-      $RT sweep embedding 'BLOCK=256 NUM_WARPS=2,BLOCK=512 NUM_WARPS=4,BLOCK=1024 NUM_WARPS=4,BLOCK=2048 NUM_WARPS=8' --sizes 16384x50432x2048" ;;
+  sweeps)    stage sweeps ${SWEEPS_LIMIT:-150} $RT sweep rms_norm 'BACKWARD_PROGRAMS_PER_SM=4,BACKWARD_PROGRAMS_PER_SM=8,BACKWARD_PROGRAMS_PER_SM=16 BACKWARD_NUM_WARPS=4,BACKWARD_PROGRAMS_PER_SM=8 BACKWARD_NUM_STAGES=1,BACKWARD_BLOCK_ROWS=2 BACKWARD_PROGRAMS_PER_SM=8,BACKWARD_NUM_WARPS=16,BACKWARD_BLOCK_ROWS=4 BACKWARD_NUM_WARPS=16 BACKWARD_PROGRAMS_PER_SM=2' --sizes 32768x3072 16384x8192 ;;
   matmul-ce) stage bench_matmul_ce 150 $PY -c "from rtrainer.matmul import benchmark_suite; benchmark_suite(chunk_rows=(2048,), gemm_models=())" ;;
   gemm-all)  stage bench_gemm_all ${GEMM_LIMIT:-240} $PY -c "from rtrainer.matmul import benchmark_suite; benchmark_suite(gemm_models=list(__import__('rtrainer.matmul').matmul.MODEL_SHAPES))" ;;
   profile-*) c=${s#profile-}; stage "profile_$c" 120 $RT profile --config "$c" ;;
@@ -48,4 +47,4 @@ esac; done
 
 tar czf "$OUT/results.tgz" data/results 2>/dev/null
 echo; echo "=== summary ($((SECONDS-start_all)) s)"; cat "$SUMMARY"
-grep -hE "^(rb100m|dense1b|prof183m|moe4b)|ratio" "$OUT"/train.log "$OUT"/e2e_*.log 2>/dev/null | tail -n 12
+grep -hE "^(rb100m|dense1b|prof183m|moe4b)|ratio" "$LOGS"/train.log "$LOGS"/e2e_*.log 2>/dev/null | tail -n 12
