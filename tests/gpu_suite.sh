@@ -34,6 +34,7 @@ for s in "$@"; do case $s in
   gemm-all)  stage bench_gemm_all ${GEMM_LIMIT:-240} $PY -c "from rtrainer.matmul import benchmark_suite; benchmark_suite(gemm_models=list(__import__('rtrainer.matmul').matmul.MODEL_SHAPES))" ;;
   profile-*) c=${s#profile-}; stage "profile_$c" 120 $RT profile --config "$c" ;;
   e2e-*)     c=${s#e2e-}; b=$($PY -c "from rtrainer.model import REFERENCE_BATCH as R; print(R['$c'])"); stage "e2e_$c" ${E2E_LIMIT:-300} $PY tests/gpu_train_bench.py --arms $c:$b:torch,$c:$b:triton --rounds ${ROUNDS:-2} --steps ${STEPS:-10} --name "training_throughput_$c" ;;
+  attention-quick) stage bench_attention_quick 90 $PY -c "from rtrainer.attention import benchmark_suite; benchmark_suite(quick=True)" ;;
   attention) stage bench_attention 180 $PY -c "from rtrainer.attention import benchmark_suite; benchmark_suite()" ;;
   matmul)    stage bench_matmul 150 $PY -c "from rtrainer.matmul import benchmark_suite; benchmark_suite(quick=True)" ;;
   moe)       stage bench_moe 150 $PY -c "from rtrainer.moe import benchmark_suite; benchmark_suite(rounds=3)" ;;
