@@ -289,9 +289,9 @@ def bench_vecadd(size, dtype=torch.bfloat16, device="cuda", compare_compile=True
 # %% ../nbs/01_kernels.ipynb #ffc07854
 RMS_NORM_BLOCK_ROWS = 1            # rows per forward program
 RMS_NORM_NUM_WARPS = 8
-RMS_NORM_BACKWARD_PROGRAMS_PER_SM = 4  # backward programs per SM; each owns a partial weight gradient
+RMS_NORM_BACKWARD_PROGRAMS_PER_SM = 0  # backward programs per SM, each owning a partial weight gradient; 0: fill the SM (64 warps)
 RMS_NORM_BACKWARD_BLOCK_ROWS = 1       # rows a backward program loads at once
-RMS_NORM_BACKWARD_NUM_WARPS = 8
+RMS_NORM_BACKWARD_NUM_WARPS = 0        # 0: 4 warps for rows up to 4096 wide, 8 beyond
 RMS_NORM_BACKWARD_NUM_STAGES = 3       # software-pipelining depth of the row loop
 RMS_NORM_MAX_COLS = 65536          # widest row a program holds in registers
 
@@ -389,12 +389,14 @@ def rms_norm_backward(dy, x, weight, rstd, dsummed=None, dx=None):
     ds2 = as_rows(dsummed) if dsummed is not None else dy2
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if dx is None else dx
     dx2 = dx.view(-1, D)
-    n_programs = _program_count(triton.cdiv(n_rows, RMS_NORM_BACKWARD_BLOCK_ROWS), RMS_NORM_BACKWARD_PROGRAMS_PER_SM, x.device)
+    block_cols = triton.next_power_of_2(D)
+    warps = RMS_NORM_BACKWARD_NUM_WARPS or (4 if block_cols <= 4096 else 8)
+    n_programs = _program_count(triton.cdiv(n_rows, RMS_NORM_BACKWARD_BLOCK_ROWS), RMS_NORM_BACKWARD_PROGRAMS_PER_SM or 64 // warps, x.device)
     partial = torch.empty(n_programs, D, dtype=torch.float32, device=x.device)
     rms_norm_backward_kernel[(n_programs,)](
         dy2, x2, weight, rstd, ds2, dx2, partial, n_rows, D, dy2.stride(0), x2.stride(0), ds2.stride(0), dx2.stride(0),
-        HAS_DSUMMED=dsummed is not None, BLOCK_ROWS=RMS_NORM_BACKWARD_BLOCK_ROWS, BLOCK_COLS=triton.next_power_of_2(D),
-        num_warps=RMS_NORM_BACKWARD_NUM_WARPS, num_stages=RMS_NORM_BACKWARD_NUM_STAGES)
+        HAS_DSUMMED=dsummed is not None, BLOCK_ROWS=RMS_NORM_BACKWARD_BLOCK_ROWS, BLOCK_COLS=block_cols,
+        num_warps=warps, num_stages=RMS_NORM_BACKWARD_NUM_STAGES)
     return dx, partial.sum(0)
 
 # %% ../nbs/01_kernels.ipynb #e4566f00
@@ -873,8 +875,8 @@ register_benchmark("embedding", bench_embedding, [(32768, 32064, 768), (16384, 5
 # %% ../nbs/01_kernels.ipynb #ac8b2293
 BENCHMARK_COLUMNS = ["kernel", "backward", "passes", "shape", "dtype", "ms", "GB", "GBps", "pct_copy", "compile_GBps"]
 
-def benchmark_suite(quick=False, kernels=None, save=True):
-    "Benchmark every kernel (GPU only) at its sizes; save the rows as data/results/kernels.json; returns them."
+def benchmark_suite(quick=False, kernels=None, save=True, save_as="kernels"):
+    "Benchmark every kernel (or those named) on the GPU at its sizes; save the rows as data/results/SAVE_AS.json; returns them."
     if not torch.cuda.is_available(): raise RuntimeError("benchmark_suite needs a CUDA GPU")
     rows = []
     for name in kernels or BENCHMARKS:
@@ -885,7 +887,7 @@ def benchmark_suite(quick=False, kernels=None, save=True):
             torch.cuda.empty_cache()
     differing = embedding_run_to_run_differences()
     print("embedding gradient elements differing between two identical runs:", differing)
-    if save: save_results("kernels", rows, copy_ceiling_GBps=COPY_CEILING_GBPS, quick=quick, embedding_run_to_run_differing=differing)
+    if save: save_results(save_as, rows, copy_ceiling_GBps=COPY_CEILING_GBPS, quick=quick, embedding_run_to_run_differing=differing)
     return rows
 
 def print_table(rows, columns=None):

@@ -40,7 +40,8 @@ for s in "$@"; do case $s in
   moe)       stage bench_moe 150 $PY -c "from rtrainer.moe import benchmark_suite; benchmark_suite(rounds=3)" ;;
   optimizer) stage bench_optimizer 90 $PY -c "from rtrainer.optimizer import benchmark_suite; benchmark_suite(quick=True)" ;;
   profile)   stage profile 100 $PY -m rtrainer profile --config prof183m --batch-size 32 ;;
-  versus-*)  c=${s#versus-}; stage "versus_$c" "${VERSUS_LIMIT:-220}" $PY -m rtrainer versus --config "$c" --tiers "${TIERS:-default}" --rounds "${ROUNDS:-2}" --steps 4 --warmup 3 --timeout 160 ;;
+  versus-*)  c=${s#versus-}; stage "versus_$c" "${VERSUS_LIMIT:-220}" $PY -m rtrainer versus --config "$c" --tiers "${TIERS:-default}" --rounds "${ROUNDS:-2}" --steps ${VSTEPS:-4} --warmup ${VWARMUP:-3} --timeout ${ARM_TIMEOUT:-160} ;;
+  norms)     stage bench_norms 90 $PY -c "from rtrainer.kernels import benchmark_suite; benchmark_suite(kernels=['rms_norm', 'add_rms_norm'], save_as='kernels_norms')" ;;
   fsdp)      stage fsdp ${FSDP_LIMIT:-300} $PY -c "from rtrainer.distributed import benchmark_suite; print(benchmark_suite(steps=${STEPS:-12}, rounds=${ROUNDS:-3}, impl='${IMPL:-triton}'))" ;;
   optimizer-full) stage bench_optimizer_full 70 $PY -c "from rtrainer.optimizer import benchmark_suite; benchmark_suite()" ;;
   *) echo "unknown stage $s"; exit 2 ;;
