@@ -282,7 +282,7 @@ def bench_vecadd(size, dtype=torch.bfloat16, device="cuda", compare_compile=True
     (n,) = size
     a, b = torch.randn(n, device=device, dtype=dtype), torch.randn(n, device=device, dtype=dtype)
     out = torch.empty_like(a)
-    compiled = torch.compile(torch.add) if compare_compile else None
+    compiled = torch.compile(torch.add, dynamic=False) if compare_compile else None
     return [benchmark_row("vecadd", size, dtype, 3 * n * a.element_size(), lambda: vecadd(a, b, out=out),
                           (lambda: compiled(a, b)) if compiled else None, passes="fwd")]
 
@@ -795,7 +795,7 @@ def _bench_autograd(kernel, size, dtype, fn, reference, make_args, fwd_bytes, bw
     "Forward and forward+backward rows of fn(*args), with torch.compile(reference) beside them."
     args = make_args()
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-    compiled = torch.compile(reference) if compare_compile else None
+    compiled = torch.compile(reference, dynamic=False) if compare_compile else None   # one static specialization per size
     def forward(f):
         def run():
             with torch.no_grad(): return f(*args)

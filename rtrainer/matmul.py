@@ -397,7 +397,7 @@ def benchmark_suite(quick=False, chunk_rows=(), gemm_models=None):
         hidden = torch.randn(N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         head = torch.nn.Parameter(torch.randn(D, VP, device="cuda", dtype=torch.bfloat16) / D**0.5)
         targets = torch.randint(0, V, (N,), device="cuda")
-        compiled = torch.compile(lambda h, w, t: F.cross_entropy((h @ w).float()[:, :V], t, ignore_index=IGNORE_INDEX))
+        compiled = torch.compile(lambda h, w, t: F.cross_entropy((h @ w).float()[:, :V], t, ignore_index=IGNORE_INDEX), dynamic=False)
         def reset(): hidden.grad = None; head.grad = None; head.main_grad_written = False
         arms = dict(fused=lambda: linear_cross_entropy(hidden, head, targets, V).backward(),
                     torch_compile=lambda: compiled(hidden, head, targets).backward())

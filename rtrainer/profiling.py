@@ -719,8 +719,9 @@ def _profile_report(args):
     overrides = {"vocab_size": args.vocab_size} if getattr(args, "vocab_size", None) else {}
     trainer = profile_trainer(args.config, args.batch_size, args.seq_len, impl=args.impl, **overrides)
     report = profile_step(trainer)
-    report.update(config=args.config, batch_size=trainer.cfg.batch_size, seq_len=trainer.cfg.seq_len, impl=trainer.model.impl,
-                  **machine_metadata())
+    meta = machine_metadata()
+    meta["gpu"] = meta.pop("device")         # the report's `device` stays the torch device ("cuda", "cpu") the rest reads
+    report.update(config=args.config, batch_size=trainer.cfg.batch_size, seq_len=trainer.cfg.seq_len, impl=trainer.model.impl, **meta)
     return report
 
 def run_profile(args):

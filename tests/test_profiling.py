@@ -21,6 +21,15 @@ def test_profile_cpu_phases():
     assert {r["name"].split(".")[0] for r in report["rows"]} <= set(PHASES)
     assert any(r["name"].startswith("backward.") for r in report["rows"])
 
+def test_profile_command_writes_its_report(tmp_path, capsys):
+    "`rtrainer profile` on a CPU: table printed, JSON report written, its device the torch device and the machine's GPU apart."
+    from rtrainer.cli import main
+    out = tmp_path / "report.json"
+    assert main(["profile", "--config", "tiny", "--batch-size", "2", "--seq-len", "16", "--vocab-size", str(SMALL_VOCAB), "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and "gpu" in report and report["config"] == "tiny"
+    assert "all ops" in capsys.readouterr().out
+
 def test_attribution_by_launch_time():
     ranges = [("forward", 0, 10), ("backward", 10, 50), ("optimizer", 60, 70)]
     launches = {7: 5, 8: 12, 9: 55, 10: 65}
