@@ -326,12 +326,13 @@ def _check_tensors(where, tensors, dtypes):
     return device
 
 _device_tables = {}
-def _tables(columns, device, validate=lambda: None):
-    """Pack int64 columns (lists) into one tensor on `device`; returns (views, one per column; ALIGNED flag). Cached by
+def _tables(columns, device, validate=lambda: None, signature=()):
+    """Pack int64 columns (lists) into one tensor on `device`; returns the views, one per column. Cached by
     content: a step whose tensors sit where last step's did (the usual case) reuses the device copy and skips
     `validate()`, the checks of every tensor, which were made when the entry was built. A new entry crosses from pinned
-    memory without waiting for the GPU (a copy from pageable memory would wait for every kernel queued before it)."""
-    key = (str(device), tuple(tuple(column) for column in columns))
+    memory without waiting for the GPU (a copy from pageable memory would wait for every kernel queued before it).
+    `signature` (the tensors' dtypes) joins the key, so a new tensor of another dtype at an old address is checked again."""
+    key = (str(device), tuple(tuple(column) for column in columns), tuple(signature))
     if key not in _device_tables:
         validate()
         if len(_device_tables) >= 16: _device_tables.clear()
@@ -362,7 +363,7 @@ def fused_adamw_update(work, s):
         if not chunk_tensors: continue
         addresses = [[w[k].data_ptr() for w in group] for k in range(4)]
         tables = _tables(addresses + [numels, [int(w[4]) for w in group], chunk_tensors, chunk_indices], device,
-                         validate=lambda: _check_adamw_group(group, dtype))
+                         validate=lambda: _check_adamw_group(group, dtype), signature=[w[k].dtype for w in group for k in range(4)])
         adamw_multi_tensor_kernel[(len(chunk_tensors),)](
             *tables, s["lr"], s["lr_weight_decay"], s["beta1"], s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"],
             s["inv_bias_correction1"], s["inv_bias_correction2"], s["eps"], s["grad_scale"],
@@ -380,7 +381,7 @@ def fused_grad_norm(grads):
         return torch.zeros((), dtype=torch.float32, device=device)
     addresses = [g.data_ptr() for g in grads]
     tables = _tables([addresses, numels, chunk_tensors, chunk_indices], device,
-                     validate=lambda: _check_tensors("fused_grad_norm", grads, (torch.float32,)))
+                     validate=lambda: _check_tensors("fused_grad_norm", grads, (torch.float32,)), signature=[g.dtype for g in grads])
     partial_sums = torch.full((len(chunk_tensors),), float("nan"), dtype=torch.float32, device=device)  # poisoned: an unwritten partial shows as NaN
     sum_of_squares_multi_tensor_kernel[(len(chunk_tensors),)](
         *tables, partial_sums, ALIGNED=all(a % ALIGNMENT_BYTES == 0 for a in addresses), CHUNK_SIZE=ADAMW_CHUNK_SIZE,

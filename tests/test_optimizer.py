@@ -309,3 +309,19 @@ def test_fused_errors():
              torch.zeros(6, 4, device=DEVICE), True)]
     with pytest.raises(ValueError, match="float64"): fused_adamw_update(work, adamw_scalars(1e-3, 0.9, 0.999, 1e-8, 0.1, 1))
     with pytest.raises(ValueError, match="step counts from 1"): adamw_scalars(1e-3, 0.9, 0.999, 1e-8, 0.1, 0)
+
+def test_device_tables_cache_validates_only_new_entries():
+    "The fused optimizer's address tables: one validation per distinct content (addresses, sizes and dtypes), reused after."
+    from rtrainer.optimizer import _tables
+    calls = []
+    validate = lambda: calls.append(1)
+    columns = [[101, 202], [7]]
+    first = _tables(columns, "cpu", validate, signature=[torch.float32])
+    assert _tables(columns, "cpu", validate, signature=[torch.float32]) is first and len(calls) == 1
+    assert [t.tolist() for t in first] == columns
+    _tables(columns, "cpu", validate, signature=[torch.bfloat16])       # same addresses, another dtype: checked again
+    _tables([[101, 203], [7]], "cpu", validate, signature=[torch.float32])  # a moved tensor: checked again
+    assert len(calls) == 3
+    def bad(): raise ValueError("bad tensor")
+    with pytest.raises(ValueError, match="bad tensor"): _tables([[1], [2]], "cpu", bad)
+    with pytest.raises(ValueError, match="bad tensor"): _tables([[1], [2]], "cpu", bad)   # a failed check caches nothing
