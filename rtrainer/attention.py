@@ -77,6 +77,15 @@ def _forward_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, q_pos
     return acc, m_i, l_i
 
 @triton.jit
+def _query_block(H, GROUP, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    "This program's query block (grid: query blocks x B*H): its start, batch, head and KV head (int64), positions, head-dim offsets."
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b, h = (bh // H).to(tl.int64), bh % H
+    kvh = (h // GROUP).to(tl.int64)                     # GQA: query heads h of one group share KV head h // GROUP
+    return start_m, b, h.to(tl.int64), kvh, start_m + tl.arange(0, BLOCK_M), tl.arange(0, HEAD_DIM)
+
+@triton.jit
 def flash_forward_kernel(
     Q, K, V, O, LSE,                                    # q (B,T,H,hd) k/v (B,T,KV,hd) strided; o (B,T,H,hd); lse (B,H,T) fp32
     stride_qb, stride_qt, stride_qh,                    # q strides (head-dim stride must be 1)
@@ -86,13 +95,7 @@ def flash_forward_kernel(
     H, T, GROUP, scale_log2,                            # GROUP = H // KV query heads per KV head
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b, h = (bh // H).to(tl.int64), bh % H
-    kvh = (h // GROUP).to(tl.int64)
-    h = h.to(tl.int64)
-    q_pos = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    start_m, b, h, kvh, q_pos, offs_d = _query_block(H, GROUP, BLOCK_M, HEAD_DIM)
     q = tl.load(Q + b * stride_qb + h * stride_qh + q_pos[:, None] * stride_qt + offs_d[None, :],
                 mask=q_pos[:, None] < T, other=0.0)    # read BLOCK_M x hd once
     k_base = K + b * stride_kb + kvh * stride_kh
@@ -223,13 +226,7 @@ def flash_backward_dq_kernel(
     H, T, GROUP, scale_log2, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b, h = (bh // H).to(tl.int64), bh % H
-    kvh = (h // GROUP).to(tl.int64)
-    h = h.to(tl.int64)
-    q_pos = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    start_m, b, h, kvh, q_pos, offs_d = _query_block(H, GROUP, BLOCK_M, HEAD_DIM)
     rows = q_pos < T
     q = tl.load(Q + b * stride_qb + h * stride_qh + q_pos[:, None] * stride_qt + offs_d[None, :], mask=rows[:, None], other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + q_pos[:, None] * stride_dot + offs_d[None, :], mask=rows[:, None], other=0.0)

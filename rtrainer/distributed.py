@@ -10,7 +10,7 @@ __all__ = ['MULTICAST_OFF', 'DIST_TIMEOUT_S', 'DATA_PARALLEL', 'WEIGHT_GRAD_OPS'
            'ShardableBlock', 'ShardableTransformerLm', 'local_tensor', 'ShardedAdamW', 'use_autograd_weight_grads',
            'DistributedTrainer', 'checkpoint_metadata', 'resolve_distributed_checkpoint', 'read_distributed_checkpoint',
            'prune_distributed_checkpoints', 'export_checkpoint', 'add_distributed_arguments', 'wait_for_bundled_data',
-           'run_distributed_train', 'main', 'benchmark_suite']
+           'run_distributed_train', 'main', 'engine_rows', 'benchmark_suite']
 
 # %% ../nbs/08_distributed.ipynb #f09253a6
 import argparse, dataclasses, datetime, json, math, os, shutil, signal, subprocess, sys, tempfile, time, warnings
@@ -478,40 +478,51 @@ def main(argv=None):
 if __name__ == "__main__": sys.exit(main())
 
 # %% ../nbs/08_distributed.ipynb #2fbcf15e
-def _train_tokens_per_s(cmd, out_dir, timeout):
-    subprocess.run(cmd, env=worker_environment(), check=True, timeout=timeout)
-    rows = [r for r in map(json.loads, open(Path(out_dir) / "metrics.jsonl")) if "tokens_per_s" in r]
-    return rows[-1]
-
 ENGINE_LABELS = {"plain": "plain trainer", "fsdp": "fsdp2", "ddp": "ddp"}
+
+def _train_arm(cmd, out_dir, warmup, tokens_per_step, timeout=1800):
+    "{tokens_per_s, mfu, peak_memory_gib} of one training process over the steps after `warmup` (its losses must be finite)."
+    from rtrainer.profiling import tokens_per_s_from_metrics
+    subprocess.run(cmd, env=worker_environment(), check=True, timeout=timeout)
+    tps, timed = tokens_per_s_from_metrics(Path(out_dir) / "metrics.jsonl", warmup, tokens_per_step)
+    mfus = [r["mfu"] for r in timed if r.get("mfu")]
+    return dict(tokens_per_s=tps, mfu=sum(mfus) / len(mfus) if mfus else None,
+                peak_memory_gib=max((r.get("peak_memory_gib") or 0) for r in timed) or None)
+
+def engine_rows(arms, runs):
+    "Table rows from per-round runs {arm: [{tokens_per_s, mfu, peak_memory_gib}]}: each engine's tokens/s as a fraction of plain's, paired by round, with its 95% interval."
+    from rtrainer.profiling import summarize_pairs
+    inverse = lambda v: None if v is None else round(1 / v, 4)
+    rows = []
+    for s in summarize_pairs(arms, runs, "plain"):      # ratios plain/arm; of_plain is their inverse, and so are the bounds
+        paired = "plain/arm" in s
+        rows.append(dict(engine=ENGINE_LABELS[s["arm"]], world_size=1, tokens_per_s=round(s["tokens_per_s"]), sd=round(s["tokens_per_s_sd"]),
+                         mfu=s.get("mfu"), peak_memory_gib=s.get("peak_memory_gib"), of_plain=inverse(s["plain/arm"]) if paired else 1.0,
+                         low=inverse(s["ci95_high"]) if paired else None, high=inverse(s["ci95_low"]) if paired else None, rounds=s["rounds"]))
+    return rows
 
 def benchmark_suite(model="dense1b", batch_size=16, seq_len=1024, steps=16, rounds=3, engines=("fsdp",), impl="torch", save=True):
     """GPU: tokens/s of `model` under each of `engines` at world size 1 against the plain trainer, every arm its own
     process, the arms alternated round by round (the order reversed every other round); the ratio to plain is paired
-    by round and given with its 95% interval. Saves results 'distributed'."""
+    by round and given with its 95% interval. Tokens/s is over the second half of the steps. Saves results 'distributed'."""
     if not torch.cuda.is_available(): raise ValueError("benchmark_suite needs a CUDA GPU")
+    unknown = [e for e in engines if e not in DATA_PARALLEL]
+    if unknown: raise ValueError(f"benchmark_suite: unknown engines {unknown}; choose from {', '.join(DATA_PARALLEL)}")
     from rtrainer.kernels import save_results
-    from rtrainer.profiling import ratio_interval, spread
+    from rtrainer.profiling import alternation
     work = Path(tempfile.mkdtemp())
     flags = [model, "--data", "synthetic", "--batch-size", str(batch_size), "--seq-len", str(seq_len), "--steps", str(steps),
-             "--log-every", str(steps // 2), "--eval-every", "0", "--no-progress", "--no-checkpoints", "--impl", impl]
+             "--log-every", "1", "--eval-every", "0", "--no-progress", "--no-checkpoints", "--impl", impl]
     arms = ["plain", *engines]
     runs = {arm: [] for arm in arms}
     for r in range(rounds):
-        for arm in (arms if r % 2 == 0 else arms[::-1]):
+        for arm in alternation(arms, r):
             out = work / f"{arm}-{r}"
             cmd = ([sys.executable, "-m", "rtrainer", "train", *flags, "--out-dir", str(out)] if arm == "plain" else
                    torchrun_command(1, ["train", *flags, "--dp", arm, "--out-dir", str(out)], module="rtrainer.distributed"))
-            runs[arm].append(_train_tokens_per_s(cmd, out, 1800))
+            runs[arm].append(_train_arm(cmd, out, steps // 2, batch_size * seq_len))
             print(f"round {r + 1}/{rounds} {ENGINE_LABELS[arm]}: {runs[arm][-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
-    rows = []
-    for arm in arms:
-        tps = [x["tokens_per_s"] for x in runs[arm]]
-        mean, sd = spread(tps)
-        ratio, low, high = ratio_interval([a / p for a, p in zip(tps, (x["tokens_per_s"] for x in runs["plain"]))])
-        rows.append(dict(engine=ENGINE_LABELS[arm], world_size=1, tokens_per_s=round(mean), sd=round(sd), mfu=runs[arm][-1].get("mfu"),
-                         peak_memory_gib=max(x.get("peak_memory_gib") or 0 for x in runs[arm]), of_plain=round(ratio, 4),
-                         low=None if low is None else round(low, 4), high=None if high is None else round(high, 4), rounds=rounds))
+    rows = engine_rows(arms, runs)
     if save: save_results("distributed", rows, model=model, batch_size=batch_size, seq_len=seq_len, steps=steps, impl=impl,
-                          rounds=rounds, method="each arm its own process, alternated by round; tokens/s of the last logging window")
+                          rounds=rounds, method="each arm its own process, alternated by round; tokens/s over the second half of the steps")
     return rows

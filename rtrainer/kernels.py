@@ -26,10 +26,11 @@ __all__ = ['OPS', 'PROJECT_ROOT', 'RESULTS_DIR', 'INTERPRETING', 'KERNELS_CAN_RU
            'bench_rms_norm', 'bench_add_rms_norm', 'bench_rope', 'bench_swiglu', 'bench_embedding',
            'register_benchmark', 'benchmark_suite', 'print_table', 'add_doctor_arguments', 'run_doctor', 'parse_size',
            'add_bench_arguments', 'run_ops_check', 'run_bench', 'kernel_knobs', 'parse_variants', 'add_sweep_arguments',
-           'run_sweep']
+           'knob_values', 'run_sweep']
 
 # %% ../nbs/01_kernels.ipynb #127953a0
 import datetime, json, math, os, platform, re, subprocess, sys, time, warnings
+from contextlib import contextmanager
 from pathlib import Path
 import torch
 import torch.nn.functional as F
@@ -1012,6 +1013,16 @@ def add_sweep_arguments(p):
     p.add_argument("variants", nargs="+", help='variants, e.g. "BLOCK=1024,BLOCK=4096" or "BLOCK_ROWS=1 NUM_WARPS=4"')
     p.add_argument("--sizes", nargs="+", help="sizes like 32768x3072 (default: the kernel's quick size)")
 
+@contextmanager
+def knob_values(module, values):
+    "Set a module's tuning constants ({NAME: value}) for the duration of a block, and restore them after."
+    saved = {k: getattr(module, k) for k in values}
+    try:
+        for k, v in values.items(): setattr(module, k, v)
+        yield
+    finally:
+        for k, v in saved.items(): setattr(module, k, v)
+
 def run_sweep(args):
     "`rtrainer sweep`: every variant of the knobs in one process, one table."
     variants = parse_variants(args.kernel, args.variants)
@@ -1022,14 +1033,10 @@ def run_sweep(args):
     sizes = [parse_size(s) for s in args.sizes] if args.sizes else entry["tiny_sizes" if device == "cpu" else "quick_sizes"]
     rows = []
     for variant in variants:
-        saved = {k: getattr(module, k) for k in variant}
-        try:
-            for k, v in variant.items(): setattr(module, k, v)
+        with knob_values(module, variant):
             for size in sizes:
                 for row in entry["run"](size, dtype, device, False):
                     rows.append(dict(variant=" ".join(f"{k}={v}" for k, v in variant.items()), **row))
-        finally:
-            for k, v in saved.items(): setattr(module, k, v)
     if device == "cpu": print("(interpreted on a CPU: the times below say nothing about a GPU)")
     print_table(rows, ["variant"] + BENCHMARK_COLUMNS[:-1])
     return 0

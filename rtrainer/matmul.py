@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from .kernels import (INTERPRETING, KERNELS_CAN_RUN, register_op, at_least_fp32, main_grad_for_write, mark_main_grad_written,
-                              median_ms, save_results, load_results, show_results, machine_metadata)
+                              median_ms, save_results, load_results, show_results, machine_metadata, knob_values)
 
 # %% ../nbs/01a_matmul.ipynb #0bd04b24
 IGNORE_INDEX = -100
@@ -378,13 +378,6 @@ def _peak_ms(fn, reset):
     peak = torch.cuda.max_memory_allocated() - base
     return median_ms(lambda: (reset(), fn())), peak
 
-def _with_chunk_rows(rows, fn):
-    "fn() with CE_CHUNK_ROWS set to `rows` for the call."
-    global CE_CHUNK_ROWS
-    saved, CE_CHUNK_ROWS = CE_CHUNK_ROWS, rows
-    try: return fn()
-    finally: CE_CHUNK_ROWS = saved
-
 def benchmark_suite(quick=False, chunk_rows=(), gemm_models=None):
     """GPU: fused classifier vs torch.compile (ms, peak memory) at the rb100m and prof183m lm-heads (N = 8 x 1024 if quick,
     else the reference batch), also at each of `chunk_rows`; then the GEMM table of `gemm_models` (default: rb100m if
@@ -402,7 +395,9 @@ def benchmark_suite(quick=False, chunk_rows=(), gemm_models=None):
         arms = dict(fused=lambda: linear_cross_entropy(hidden, head, targets, V).backward(),
                     torch_compile=lambda: compiled(hidden, head, targets).backward())
         for rows in chunk_rows:
-            arms[f"fused, {rows}-row chunks"] = lambda rows=rows: _with_chunk_rows(rows, arms["fused"])
+            def chunked(rows=rows):
+                with knob_values(sys.modules[__name__], {"CE_CHUNK_ROWS": rows}): arms["fused"]()
+            arms[f"fused, {rows}-row chunks"] = chunked
         results = {arm: _peak_ms(fn, reset) for arm, fn in arms.items()}
         for arm, (ms, peak) in results.items():
             ce_rows.append(dict(model=model, N=N, D=D, V=V, VP=VP, impl=arm, ms=ms, peak_mib=peak / 2**20,

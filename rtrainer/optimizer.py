@@ -14,12 +14,12 @@ __all__ = ['PRECISIONS', 'CLIP_EPS', 'ADAMW_BLOCK_SIZE', 'ADAMW_CHUNK_SIZE', 'AD
            'fused_grad_norm', 'random_adamw_work', 'clone_work', 'compare_work', 'benchmark_suite']
 
 # %% ../nbs/04_optimizer.ipynb #21e65ee1
-import math, os, struct
+import math, struct
 import torch
 import triton
 import triton.language as tl
 from .kernels import (get_op, register_op, resolve_impl, start_gradient_step, gradient_fp32,
-                              median_ms, save_results, show_results, machine_metadata)
+                              median_ms, save_results, show_results, machine_metadata, INTERPRETING, KERNELS_CAN_RUN)
 
 # %% ../nbs/04_optimizer.ipynb #5903afa7
 PRECISIONS = ("bf16", "fp32")
@@ -300,7 +300,7 @@ def sum_of_squares_multi_tensor_kernel(
 # %% ../nbs/04_optimizer.ipynb #144a65a2
 def kernels_can_run(device):
     "True when Triton kernels can run on `device`: a CUDA device, or any device under TRITON_INTERPRET=1."
-    return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return torch.device(device).type == "cuda" or INTERPRETING
 
 _chunk_plans = {}
 def chunk_plan(numels, chunk_size):

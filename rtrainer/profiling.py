@@ -6,9 +6,9 @@ Docs: https://example.invalid/rtrainer/rtrainer/profiling.html.md"""
 
 # %% auto #0
 __all__ = ['T_QUANTILE_975', 'PHASES', 'PROFILE_WARMUP_STEPS', 'CHART_ROWS', 'ARM_GUARD', 'TIERS', 'ARM_RESULT_PREFIX',
-           'CHANGED_FRACTION', 'CHANGED_MIN_MS', 't_quantile_975', 'ratio_interval', 'spread', 'resolve_peak_tflops',
-           'days_for_tokens', 'ProfilingTrainer', 'attribute_device_events', 'device_gaps', 'profile_step',
-           'profile_trainer', 'profile_table', 'profile_chart', 'Worktree', 'run_in_worktree',
+           'CHANGED_FRACTION', 'CHANGED_MIN_MS', 't_quantile_975', 'ratio_interval', 'spread', 'alternation',
+           'resolve_peak_tflops', 'days_for_tokens', 'ProfilingTrainer', 'attribute_device_events', 'device_gaps',
+           'profile_step', 'profile_trainer', 'profile_table', 'profile_chart', 'Worktree', 'run_in_worktree',
            'tokens_per_s_from_metrics', 'ab_arm', 'summarize_pairs', 'print_summary', 'ab', 'PlainMoe', 'PlainBlock',
            'PlainTransformer', 'plain_parameter_counts', 'check_parameter_counts', 'dtype_census', 'PlainAdamW',
            'cuda_graphs_recorded', 'run_arm', 'arm_main', 'run_arm_process', 'versus', 'sweep_arch', 'changed_rows',
@@ -53,6 +53,10 @@ def ratio_interval(ratios):
 def spread(values):
     "(mean, sample standard deviation) of a list (sd 0 for one value)."
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+def alternation(arms, round_index):
+    "The order the arms run in round `round_index`: as given in even rounds, reversed in odd ones (A B, B A, A B ...)."
+    return list(arms) if round_index % 2 == 0 else list(arms)[::-1]
 
 # %% ../nbs/07_profiling.ipynb #c00cc2d0
 def resolve_peak_tflops(peak_tflops=None, device=None, warn=print):
@@ -356,7 +360,7 @@ def ab(ref, baseline_ref, config="tiny", rounds=3, steps=10, warmup=2, batch_siz
         names = {"A": a, "B": b}
         results = {"A": [], "B": []}
         for r in range(rounds):
-            for arm in (("A", "B") if r % 2 == 0 else ("B", "A")):
+            for arm in alternation(("A", "B"), r):
                 results[arm].append(ab_arm(names[arm], config, batch_size, seq_len, warmup, steps, extra))
                 print(f"round {r + 1} {arm}: {results[arm][-1]['tokens_per_s']:,.0f} tokens/s")
     rows = summarize_pairs(["A", "B"], results, "A")
@@ -654,7 +658,7 @@ def versus(config="tiny", tiers=("eager", "default"), rounds=3, steps=10, warmup
     base = dict(config=config, overrides=overrides, batch_size=batch_size, seq_len=seq_len, warmup=warmup, steps=steps, peak_tflops=peak)
     results = {a: [] for a in arms}
     for r in range(rounds):
-        for arm in (arms if r % 2 == 0 else arms[::-1]):
+        for arm in alternation(arms, r):
             res = run_arm_process(dict(base, arm=arm), timeout=timeout) if isolate else run_arm(dict(base, arm=arm))
             results[arm].append(res)
             what = f"{res['tokens_per_s']:,.0f} tokens/s, compile {res.get('compile_s', 0):.1f} s" if res.get("tokens_per_s") else res.get("status")

@@ -110,7 +110,7 @@ class TrainingData:
         if self.synthetic:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
             tokens = torch.randint(0, self.vocab_size, (batch_size * world_size, seq_len + 1), generator=g)[rank * batch_size:(rank + 1) * batch_size]
-            return tokens[:, :-1], tokens[:, 1:]
+            return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()   # contiguous, like TokenFile.batch
         shard = 0 if len(self.train) == 1 else int(np.random.default_rng([self.seed, step, 7]).choice(len(self.train), p=self.weights))
         return self.train[shard].batch(step, batch_size, seq_len, rank=rank, world_size=world_size)
 
@@ -305,12 +305,12 @@ class Trainer:
             rng = np.random.default_rng([c.seed, step, self.rank])
             picks = rng.choice(len(self.sft_pairs), size=B * n, replace=len(self.sft_pairs) < B * n)
             inputs, targets, mask = supervised_batch([self.sft_pairs[i] for i in picks])
-            inputs, targets, mask = inputs[:, :c.seq_len], targets[:, :c.seq_len], mask[:, :c.seq_len]
+            inputs, targets, mask = (t[:, :c.seq_len].contiguous() for t in (inputs, targets, mask))
         else:
             inputs, targets = self.data.batch(step, B * n, c.seq_len, rank=self.rank, world_size=self.world_size)
             mask = None
         if self.device.type == "cuda":   # from pinned memory the copy is truly asynchronous; from pageable memory it waits for the GPU
-            inputs, targets = inputs.contiguous().pin_memory(), targets.contiguous().pin_memory()  # a strided source would be copied to pageable memory first
+            inputs, targets = inputs.pin_memory(), targets.pin_memory()   # (contiguous: a strided pinned view is staged through pageable memory)
         for i in range(n):
             s = slice(i * B, (i + 1) * B)
             yield (inputs[s].to(self.device, non_blocking=True), targets[s].to(self.device, non_blocking=True),

@@ -1,34 +1,35 @@
 """Paired training-throughput measurement on a GPU: `python tests/gpu_train_bench.py --arms CFG:B:IMPL,... --rounds R`.
 
 Each arm is `rtrainer train CFG --data synthetic` in its own process (so memory and failures are per arm),
-arms alternated round by round. Throughput is the last logging window (the first one holds compilation and
-autotuning), valid only when every logged loss is finite. Writes data/results/NAME.json and prints a table.
+arms alternated round by round (order reversed every other round). Throughput is over the second half of the steps
+(the first half holds compilation and autotuning), valid only when every logged loss is finite. Writes data/results/NAME.json and prints a table.
 """
-import argparse, json, math, os, subprocess, sys, tempfile, time
+import argparse, json, subprocess, sys, tempfile, time
 from pathlib import Path
 import statistics as st
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rtrainer.kernels import save_results
-from rtrainer.profiling import ratio_interval   # the paired 95% interval the profiling chapter defines
+from rtrainer.profiling import alternation, ratio_interval, tokens_per_s_from_metrics   # the profiling chapter's instruments
+from rtrainer.training import NonFiniteLoss
 
 def run_arm(config, batch, impl, steps, seq_len, extra):
     out = Path(tempfile.mkdtemp(prefix=f"arm-{config}-{impl}-"))
     cmd = [sys.executable, "-m", "rtrainer", "train", config, "--data", "synthetic", "--impl", impl, "--batch-size", str(batch),
-           "--seq-len", str(seq_len), "--steps", str(steps), "--log-every", str(steps // 2), "--eval-every", "0",
+           "--seq-len", str(seq_len), "--steps", str(steps), "--log-every", "1", "--eval-every", "0",
            "--out-dir", str(out), "--no-progress", "--no-checkpoints", *extra]
     t0 = time.time()
     r = subprocess.run(cmd, capture_output=True, text=True)
     row = dict(config=config, batch=batch, impl=impl, wall_s=round(time.time() - t0, 1))
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()] if (out / "metrics.jsonl").exists() else []
-    if r.returncode != 0 or not rows:
+    metrics = out / "metrics.jsonl"
+    if r.returncode != 0 or not metrics.exists():
         err = (r.stderr.strip().splitlines() or ["?"])[-1]
         row.update(status="out of memory" if "out of memory" in r.stderr.lower() else f"failed: {err[:200]}")
         return row
-    losses = [x["loss"] for x in rows if "loss" in x]
-    if not all(math.isfinite(l) for l in losses): row.update(status="rejected: non-finite loss"); return row
-    last = [x for x in rows if "tokens_per_s" in x][-1]
-    row.update(status="ok", tokens_per_s=last["tokens_per_s"], mfu=last.get("mfu"), peak_memory_gib=last.get("peak_memory_gib"),
-               first_window_tokens_per_s=[x for x in rows if "tokens_per_s" in x][0]["tokens_per_s"], final_loss=losses[-1])
+    try: tps, timed = tokens_per_s_from_metrics(metrics, steps // 2, batch * seq_len)   # the second half of the steps
+    except NonFiniteLoss: row.update(status="rejected: non-finite loss"); return row
+    mfus = [x["mfu"] for x in timed if x.get("mfu")]
+    row.update(status="ok", tokens_per_s=tps, mfu=sum(mfus) / len(mfus) if mfus else None,
+               peak_memory_gib=max((x.get("peak_memory_gib") or 0) for x in timed) or None, final_loss=timed[-1]["loss"])
     return row
 
 def main():
@@ -41,13 +42,13 @@ def main():
     arms = [tuple(x.split(":")) for x in a.arms.split(",")]
     results = []
     for rnd in range(a.rounds):
-        for cfg, b, impl in arms:
+        for cfg, b, impl in alternation(arms, rnd):
             row = run_arm(cfg, int(b), impl, a.steps, a.seq_len, a.extra.split())
             row["round"] = rnd; results.append(row); print(json.dumps(row), flush=True)
     summary = []
     for cfg, b, impl in arms:
         ok = [r["tokens_per_s"] for r in results if (r["config"], str(r["batch"]), r["impl"]) == (cfg, b, impl) and r["status"] == "ok"]
-        mem = [r["peak_memory_gib"] for r in results if (r["config"], str(r["batch"]), r["impl"]) == (cfg, b, impl) and r["status"] == "ok"]
+        mem = [r["peak_memory_gib"] for r in results if (r["config"], str(r["batch"]), r["impl"]) == (cfg, b, impl) and r["status"] == "ok" and r.get("peak_memory_gib")]
         mfu = [r["mfu"] for r in results if (r["config"], str(r["batch"]), r["impl"]) == (cfg, b, impl) and r["status"] == "ok" and r["mfu"]]
         status = "ok" if ok else next(r["status"] for r in results if (r["config"], str(r["batch"]), r["impl"]) == (cfg, b, impl))
         summary.append(dict(config=cfg, batch=int(b), impl=impl, status=status, n=len(ok),

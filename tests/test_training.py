@@ -165,3 +165,10 @@ def test_cli_non_finite_exits_non_zero(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 1, r.stderr
     assert "non-finite" in r.stderr and "step" in r.stderr
+
+def test_synthetic_batches_are_contiguous_and_shifted():
+    "The trainer pins batches for an asynchronous copy; a strided batch would be staged through pageable memory."
+    data = training.TrainingData("synthetic", seed=3, vocab_size=101)
+    inputs, targets = data.batch(5, 4, 9)
+    assert inputs.is_contiguous() and targets.is_contiguous() and inputs.shape == targets.shape == (4, 9)
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
