@@ -29,7 +29,7 @@ __all__ = ['OPS', 'PROJECT_ROOT', 'RESULTS_DIR', 'INTERPRETING', 'KERNELS_CAN_RU
            'knob_values', 'run_sweep']
 
 # %% ../nbs/01_kernels.ipynb #127953a0
-import datetime, json, math, os, platform, re, subprocess, sys, time, warnings
+import datetime, json, math, os, platform, re, statistics, subprocess, sys, time, warnings
 from contextlib import contextmanager
 from pathlib import Path
 import torch
@@ -149,10 +149,45 @@ def gradient_fp32(param):
 PROJECT_ROOT = Path(__file__).resolve().parent.parent if "__file__" in globals() else Path.cwd().parent
 RESULTS_DIR = PROJECT_ROOT / "data" / "results"
 
-def median_ms(fn, warmup_ms=25, rep_ms=100):
-    "Median milliseconds of `fn()` on the GPU, timed with CUDA events after a warm-up."
-    import triton.testing
-    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+_spin_cycles_per_ms = {}
+def _cycles_per_ms():
+    "Clock cycles of `torch.cuda._sleep` per millisecond on the current GPU (measured once)."
+    device = torch.cuda.current_device()
+    if device not in _spin_cycles_per_ms:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1000); start.record(); torch.cuda._sleep(20_000_000); end.record(); end.synchronize()
+        _spin_cycles_per_ms[device] = 20_000_000 / start.elapsed_time(end)
+    return _spin_cycles_per_ms[device]
+
+def median_ms(fn, warmup_ms=25, rep_ms=100, max_batch=100):
+    """Median device milliseconds of one `fn()` on the GPU, the host's launch overhead hidden: batches of calls
+    queued behind a spin kernel long enough for the host to enqueue them, timed with CUDA events (see above)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    while True:                                                     # warm-up (and a first estimate of one call)
+        fn(); torch.cuda.synchronize()
+        if (time.perf_counter() - t0) * 1e3 >= warmup_ms: break
+    t0 = time.perf_counter(); fn(); host_ms = (time.perf_counter() - t0) * 1e3   # enqueue time of one call
+    torch.cuda.synchronize()
+    start.record(); fn(); end.record(); end.synchronize()
+    device_ms = max(start.elapsed_time(end), 1e-3)                 # an upper bound: may still include the host
+    batch = max(1, min(max_batch, int(5.0 / device_ms)))            # about 5 ms of work per batch
+    n_batches = max(5, int(rep_ms / (batch * device_ms)))
+    cycles_per_ms, times, retries = _cycles_per_ms(), [], 0
+    while len(times) < n_batches:
+        spin_ms = 1.5 * batch * host_ms + 0.5
+        torch.cuda._sleep(int(spin_ms * cycles_per_ms))
+        t0 = time.perf_counter()
+        start.record()
+        for _ in range(batch): fn()
+        end.record()
+        enqueue_ms = (time.perf_counter() - t0) * 1e3
+        end.synchronize()
+        if enqueue_ms > spin_ms and retries < 3:                    # the GPU may have waited for the host: retry longer
+            host_ms, retries = enqueue_ms / batch, retries + 1          # (a call that synchronizes never gets ahead)
+            continue
+        times.append(start.elapsed_time(end) / batch)
+    return statistics.median(times)
 
 def git_commit(root=None):
     "Short commit of the working tree (with '+dirty' when it has uncommitted changes), or 'unknown'."

@@ -6,20 +6,20 @@ Docs: https://example.invalid/rtrainer/rtrainer/optimizer.html.md"""
 
 # %% auto #0
 __all__ = ['PRECISIONS', 'CLIP_EPS', 'ADAMW_BLOCK_SIZE', 'ADAMW_CHUNK_SIZE', 'ADAMW_NUM_WARPS', 'ALIGNMENT_BYTES',
-           'BENCHMARK_MATRICES', 'BENCHMARK_MATRIX', 'BENCHMARK_QUICK_MATRIX', 'parameter_kind', 'policy_dtype',
-           'apply_precision_policy', 'fp32_scalar', 'adamw_scalars', 'adamw_update_reference',
+           'BENCHMARK_MATRICES', 'BENCHMARK_MATRIX', 'BENCHMARK_QUICK_MATRIX', 'ADAMW_VARIANTS', 'parameter_kind',
+           'policy_dtype', 'apply_precision_policy', 'fp32_scalar', 'adamw_scalars', 'adamw_update_reference',
            'adamw_update_all_reference', 'grad_norm_reference', 'AdamW', 'clip_coefficient', 'clip_grad_norm',
            'warmup_cosine', 'constant', 'fp32_to_bf16_nearest_even', 'adamw_block', 'adamw_multi_tensor_kernel',
            'sum_of_squares_multi_tensor_kernel', 'kernels_can_run', 'chunk_plan', 'fused_adamw_update',
            'fused_grad_norm', 'random_adamw_work', 'clone_work', 'compare_work', 'benchmark_suite']
 
 # %% ../nbs/04_optimizer.ipynb #21e65ee1
-import math, struct
+import math, statistics, struct, sys
 import torch
 import triton
 import triton.language as tl
 from .kernels import (get_op, register_op, resolve_impl, start_gradient_step, gradient_fp32,
-                              median_ms, save_results, show_results, machine_metadata, INTERPRETING, KERNELS_CAN_RUN)
+                              median_ms, save_results, show_results, machine_metadata, knob_values, INTERPRETING, KERNELS_CAN_RUN)
 
 # %% ../nbs/04_optimizer.ipynb #5903afa7
 PRECISIONS = ("bf16", "fp32")
@@ -225,14 +225,17 @@ def adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, offsets, limit
                 inv_bias_correction1, inv_bias_correction2, eps, grad_scale, PARAM_IS_BF16: tl.constexpr):
     "AdamW on the elements `offsets` < `limit` of one tensor: the reference's fp32 operations in the reference's order."
     mask = offsets < limit
-    g = tl.load(grad_ptr + offsets, mask=mask) * grad_scale                              # read 4 B
-    m = tl.load(exp_avg_ptr + offsets, mask=mask) * beta1 + g * one_minus_beta1          # read 4 B
-    v = tl.load(exp_avg_sq_ptr + offsets, mask=mask) * beta2 + (g * g) * one_minus_beta2 # read 4 B
+    g = tl.load(grad_ptr + offsets, mask=mask)                                           # read 4 B
+    m = tl.load(exp_avg_ptr + offsets, mask=mask)                                        # read 4 B
+    v = tl.load(exp_avg_sq_ptr + offsets, mask=mask)                                     # read 4 B
+    master = tl.load(param_ptr + offsets, mask=mask).to(tl.float32)                     # read 2 B (bf16) or 4 B
+    g = g * grad_scale                   # all four loads are issued before the first store: one memory round trip
+    m = m * beta1 + g * one_minus_beta1
+    v = v * beta2 + (g * g) * one_minus_beta2
     tl.store(exp_avg_ptr + offsets, m, mask=mask)                                       # write 4 B
     tl.store(exp_avg_sq_ptr + offsets, v, mask=mask)                                    # write 4 B
     m_hat = m * inv_bias_correction1
     v_hat = v * inv_bias_correction2
-    master = tl.load(param_ptr + offsets, mask=mask).to(tl.float32)                     # read 2 B (bf16) or 4 B
     if decay != 0: master = master - master * lr_weight_decay
     master = master - tl.div_rn(m_hat, tl.sqrt_rn(v_hat) + eps) * lr
     if PARAM_IS_BF16: tl.store(param_ptr + offsets, fp32_to_bf16_nearest_even(master), mask=mask)  # write 2 B
@@ -326,16 +329,19 @@ def _check_tensors(where, tensors, dtypes):
     return device
 
 _device_tables = {}
-def _tables(columns, device, validate=lambda: None, signature=()):
-    """Pack int64 columns (lists) into one tensor on `device`; returns the views, one per column. Cached by
-    content: a step whose tensors sit where last step's did (the usual case) reuses the device copy and skips
+def _tables(columns, device, validate=lambda: None, signature=(), derived=lambda: []):
+    """Pack int64 columns (lists) into one tensor on `device`; returns the views, one per column, followed by
+    those of `derived()`, columns computed from `columns` (the chunk plan), which therefore stay out of the key.
+    Cached by content: a step whose tensors sit where last step's did (the usual case) reuses the device copy and skips
     `validate()`, the checks of every tensor, which were made when the entry was built. A new entry crosses from pinned
     memory without waiting for the GPU (a copy from pageable memory would wait for every kernel queued before it).
-    `signature` (the tensors' dtypes) joins the key, so a new tensor of another dtype at an old address is checked again."""
+    `signature` (the tensors' dtypes, the chunk size) joins the key, so a new tensor of another dtype at an old address
+    is checked again and a new chunk size gets a new plan."""
     key = (str(device), tuple(tuple(column) for column in columns), tuple(signature))
     if key not in _device_tables:
         validate()
         if len(_device_tables) >= 16: _device_tables.clear()
+        columns = list(columns) + list(derived())
         flat = torch.tensor([x for column in columns for x in column], dtype=torch.int64)
         flat = flat.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else flat.to(device)
         _device_tables[key] = flat.split([len(column) for column in columns])
@@ -359,12 +365,13 @@ def fused_adamw_update(work, s):
         device = group[0][0].device
         if not kernels_can_run(device): raise ValueError(f"fused_adamw_update: Triton kernels need a CUDA device or TRITON_INTERPRET=1 (tensors are on {device})")
         numels = [w[0].numel() for w in group]
-        chunk_tensors, chunk_indices = chunk_plan(numels, ADAMW_CHUNK_SIZE)
-        if not chunk_tensors: continue
+        n_chunks = sum(-(-n // ADAMW_CHUNK_SIZE) for n in numels)
+        if not n_chunks: continue
         addresses = [[w[k].data_ptr() for w in group] for k in range(4)]
-        tables = _tables(addresses + [numels, [int(w[4]) for w in group], chunk_tensors, chunk_indices], device,
-                         validate=lambda: _check_adamw_group(group, dtype), signature=[w[k].dtype for w in group for k in range(4)])
-        adamw_multi_tensor_kernel[(len(chunk_tensors),)](
+        tables = _tables(addresses + [numels, [int(w[4]) for w in group]], device,
+                         validate=lambda: _check_adamw_group(group, dtype), signature=[w[k].dtype for w in group for k in range(4)] + [ADAMW_CHUNK_SIZE],
+                         derived=lambda: chunk_plan(numels, ADAMW_CHUNK_SIZE))
+        adamw_multi_tensor_kernel[(n_chunks,)](
             *tables, s["lr"], s["lr_weight_decay"], s["beta1"], s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"],
             s["inv_bias_correction1"], s["inv_bias_correction2"], s["eps"], s["grad_scale"],
             PARAM_IS_BF16=dtype == torch.bfloat16, ALIGNED=all(a % ALIGNMENT_BYTES == 0 for column in addresses for a in column),
@@ -375,15 +382,15 @@ def fused_grad_norm(grads):
     if not grads: raise ValueError("fused_grad_norm: no gradients")
     device = grads[0].device
     numels = [g.numel() for g in grads]
-    chunk_tensors, chunk_indices = chunk_plan(numels, ADAMW_CHUNK_SIZE)
-    if not chunk_tensors:
+    n_chunks = sum(-(-n // ADAMW_CHUNK_SIZE) for n in numels)
+    if not n_chunks:
         _check_tensors("fused_grad_norm", grads, (torch.float32,))
         return torch.zeros((), dtype=torch.float32, device=device)
     addresses = [g.data_ptr() for g in grads]
-    tables = _tables([addresses, numels, chunk_tensors, chunk_indices], device,
-                     validate=lambda: _check_tensors("fused_grad_norm", grads, (torch.float32,)), signature=[g.dtype for g in grads])
-    partial_sums = torch.full((len(chunk_tensors),), float("nan"), dtype=torch.float32, device=device)  # poisoned: an unwritten partial shows as NaN
-    sum_of_squares_multi_tensor_kernel[(len(chunk_tensors),)](
+    tables = _tables([addresses, numels], device, derived=lambda: chunk_plan(numels, ADAMW_CHUNK_SIZE),
+                     validate=lambda: _check_tensors("fused_grad_norm", grads, (torch.float32,)), signature=[g.dtype for g in grads] + [ADAMW_CHUNK_SIZE])
+    partial_sums = torch.full((n_chunks,), float("nan"), dtype=torch.float32, device=device)  # poisoned: an unwritten partial shows as NaN
+    sum_of_squares_multi_tensor_kernel[(n_chunks,)](
         *tables, partial_sums, ALIGNED=all(a % ALIGNMENT_BYTES == 0 for a in addresses), CHUNK_SIZE=ADAMW_CHUNK_SIZE,
         BLOCK_SIZE=ADAMW_BLOCK_SIZE, num_warps=ADAMW_NUM_WARPS)
     return partial_sums.sum().sqrt()
@@ -418,8 +425,12 @@ BENCHMARK_MATRICES = 24              # bf16 matrices (each with an fp32 norm vec
 BENCHMARK_MATRIX = (4096, 1024)      # 24 x 4M = 100.7M bf16 parameters, 2.4 GB moved per step
 BENCHMARK_QUICK_MATRIX = (2048, 1024)
 
-def benchmark_suite(quick=False, save=True):
-    "GPU: the optimizer step and gradient norm at ~100M parameters (10M if quick), in GB/s vs the copy ceiling; saves results 'optimizer'."
+ADAMW_VARIANTS = [dict(ADAMW_BLOCK_SIZE=2048, ADAMW_NUM_WARPS=8), dict(ADAMW_BLOCK_SIZE=4096, ADAMW_NUM_WARPS=8),
+                  dict(ADAMW_CHUNK_SIZE=16384), dict(ADAMW_CHUNK_SIZE=262144)]   # timed beside the default (full run)
+
+def benchmark_suite(quick=False, save=True, rounds=3):
+    """GPU: the optimizer step and gradient norm at ~100M parameters (10M if quick), in GB/s vs the copy ceiling;
+    the fused step and torch.compile's alternate over `rounds`; saves results 'optimizer'."""
     if not torch.cuda.is_available(): raise ValueError("benchmark_suite needs a CUDA GPU")
     device = "cuda"
     n_matrices, (rows, cols) = (4, BENCHMARK_QUICK_MATRIX) if quick else (BENCHMARK_MATRICES, BENCHMARK_MATRIX)
@@ -450,8 +461,20 @@ def benchmark_suite(quick=False, save=True):
         gbps = n_bytes / ms / 1e6
         result_rows.append(dict(op=name, params=n_params, GB_moved=round(n_bytes / 1e9, 3), ms=round(ms, 3),
                                 GB_per_s=round(gbps, 1), of_copy=round(gbps / copy_gbps, 3), **extra))
-    row("adamw step, fused triton (AdamW.step)", median_ms(lambda: optimizers["triton"].step(1e-6)), state_bytes, launches=2)
-    row("adamw step, torch.compile(reference loop)", median_ms(lambda: compiled_update(work, s)), state_bytes, compile_s=round(compile_s, 1))
+    arms = {"fused": lambda: optimizers["triton"].step(1e-6), "compile": lambda: compiled_update(work, s)}
+    times = {name: [] for name in arms}
+    for r in range(rounds):                                                             # A B, B A, ...
+        for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]): times[name].append(median_ms(arms[name]))
+    ratios = [c / f for c, f in zip(times["compile"], times["fused"])]                  # > 1: the fused step is faster
+    row("adamw step, fused triton (AdamW.step)", statistics.mean(times["fused"]), state_bytes, launches=2,
+        ms_rounds=[round(t, 4) for t in times["fused"]], speedup_vs_compile=round(statistics.mean(ratios), 3),
+        speedup_min_max=[round(min(ratios), 3), round(max(ratios), 3)])
+    row("adamw step, torch.compile(reference loop)", statistics.mean(times["compile"]), state_bytes, compile_s=round(compile_s, 1),
+        ms_rounds=[round(t, 4) for t in times["compile"]])
+    if not quick:
+        for knobs in ADAMW_VARIANTS:
+            with knob_values(sys.modules[__name__], knobs):
+                row("adamw step, fused triton, " + ", ".join(f"{k}={v}" for k, v in knobs.items()), median_ms(arms["fused"]), state_bytes)
     row("adamw step, eager reference (AdamW.step)", median_ms(lambda: optimizers["torch"].step(1e-6)), state_bytes,
         launches=f"~{12 * len(work)}")
     grads = [w[1] for w in work]

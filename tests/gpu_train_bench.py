@@ -1,6 +1,6 @@
 """Paired training-throughput measurement on a GPU: `python tests/gpu_train_bench.py --arms CFG:B:IMPL,... --rounds R`.
 
-Each arm is `rtrainer train CFG --data synthetic` in its own process (so memory and failures are per arm),
+Each arm is `rtrainer train CFG --data DATA` (synthetic tokens unless --data names a shard directory) in its own process (so memory and failures are per arm),
 arms alternated round by round (order reversed every other round). Throughput is over the second half of the steps
 (the first half holds compilation and autotuning), valid only when every logged loss is finite. Writes data/results/NAME.json and prints a table.
 """
@@ -12,9 +12,9 @@ from rtrainer.kernels import save_results
 from rtrainer.profiling import alternation, ratio_interval, tokens_per_s_from_metrics   # the profiling chapter's instruments
 from rtrainer.training import NonFiniteLoss
 
-def run_arm(config, batch, impl, steps, seq_len, extra):
+def run_arm(config, batch, impl, steps, seq_len, extra, data="synthetic"):
     out = Path(tempfile.mkdtemp(prefix=f"arm-{config}-{impl}-"))
-    cmd = [sys.executable, "-m", "rtrainer", "train", config, "--data", "synthetic", "--impl", impl, "--batch-size", str(batch),
+    cmd = [sys.executable, "-m", "rtrainer", "train", config, "--data", data, "--impl", impl, "--batch-size", str(batch),
            "--seq-len", str(seq_len), "--steps", str(steps), "--log-every", "1", "--eval-every", "0",
            "--out-dir", str(out), "--no-progress", "--no-checkpoints", *extra]
     t0 = time.time()
@@ -27,10 +27,26 @@ def run_arm(config, batch, impl, steps, seq_len, extra):
         return row
     try: tps, timed = tokens_per_s_from_metrics(metrics, steps // 2, batch * seq_len)   # the second half of the steps
     except NonFiniteLoss: row.update(status="rejected: non-finite loss"); return row
+    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines() if '"loss"' in line]
+    row["losses"] = [round(x, 5) for x in losses]
     mfus = [x["mfu"] for x in timed if x.get("mfu")]
     row.update(status="ok", tokens_per_s=tps, mfu=sum(mfus) / len(mfus) if mfus else None,
                peak_memory_gib=max((x.get("peak_memory_gib") or 0) for x in timed) or None, final_loss=timed[-1]["loss"])
     return row
+
+def curve_comparison(runs, window=20):
+    "Triton against torch loss curves of one config (same seed, same data): final means, largest smoothed gap, noise."
+    by_impl = {r["impl"]: r["losses"] for r in runs}
+    if not {"torch", "triton"} <= set(by_impl): return None
+    a, b = by_impl["torch"], by_impl["triton"]
+    n = min(len(a), len(b))
+    if n < 2 * window: return None
+    smooth = lambda xs: [st.mean(xs[i - window:i]) for i in range(window, n + 1)]
+    sa, sb = smooth(a[:n]), smooth(b[:n])
+    tail = a[n - window:n]
+    return dict(steps=n, window=window, final_torch=sa[-1], final_triton=sb[-1], final_diff=sb[-1] - sa[-1],
+                max_smoothed_gap=max(abs(x - y) for x, y in zip(sa, sb)), max_step_gap=max(abs(x - y) for x, y in zip(a[:n], b[:n])),
+                torch_noise=st.stdev(x - y for x, y in zip(tail[1:], tail[:-1])) / 2 ** 0.5)
 
 def main():
     ap = argparse.ArgumentParser()
@@ -38,12 +54,13 @@ def main():
     ap.add_argument("--rounds", type=int, default=2); ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--seq-len", type=int, default=1024); ap.add_argument("--name", default="training_throughput")
     ap.add_argument("--extra", default="", help="extra flags for every arm")
+    ap.add_argument("--data", default="synthetic", help="token shards for every arm (default: synthetic tokens)")
     a = ap.parse_args()
     arms = [tuple(x.split(":")) for x in a.arms.split(",")]
     results = []
     for rnd in range(a.rounds):
         for cfg, b, impl in alternation(arms, rnd):
-            row = run_arm(cfg, int(b), impl, a.steps, a.seq_len, a.extra.split())
+            row = run_arm(cfg, int(b), impl, a.steps, a.seq_len, a.extra.split(), a.data)
             row["round"] = rnd; results.append(row); print(json.dumps(row), flush=True)
     summary = []
     for cfg, b, impl in arms:
@@ -64,7 +81,13 @@ def main():
             ratio, low, high = ratio_interval(ratios)
             summary.append(dict(config=cfg, impl="ratio triton/torch", status="ok", n=len(ratios), ratio=ratio,
                                 ratio_low=low if low is not None else float("nan"), ratio_high=high if high is not None else float("nan")))
-    save_results(a.name, summary, runs=results, steps=a.steps, seq_len=a.seq_len, protocol="arms alternated per round, each in its own process; last logging window")
+    curves = {cfg: curve_comparison([r for r in results if r["config"] == cfg and r["status"] == "ok" and r["round"] == 0])
+              for cfg in dict.fromkeys(c for c, _, _ in arms)}
+    for cfg, c in curves.items():
+        if c: print(f"{cfg}: loss curves triton vs torch over {c['steps']} steps: final (mean of last {c['window']}) "
+                    f"{c['final_torch']:.4f} vs {c['final_triton']:.4f} (diff {c['final_diff']:+.4f}); largest gap of the "
+                    f"{c['window']}-step means {c['max_smoothed_gap']:.4f}; step-to-step spread of the torch curve there {c['torch_noise']:.4f}")
+    save_results(a.name, summary, curves=curves, data=a.data, runs=results, steps=a.steps, seq_len=a.seq_len, protocol="arms alternated per round, each in its own process; last logging window")
     print(f"{'config':9} {'B':>3} {'impl':20} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9}  status")
     for s in summary:
         if "ratio" in s: print(f"{s['config']:9} {'':>3} {s['impl']:20} ratio {s['ratio']:.3f} [{s['ratio_low']:.3f}, {s['ratio_high']:.3f}] (n={s['n']})")

@@ -105,3 +105,14 @@ def test_cli_on_gpu(capsys):
     assert main(["sweep", "rms_norm", "BLOCK_ROWS=1,BLOCK_ROWS=2", "--sizes", "8192x3072"]) == 0
     out = capsys.readouterr().out
     assert "compiled (CUDA)" in out and "RMS_NORM_BLOCK_ROWS=2" in out
+
+def test_median_ms_times_the_device_not_the_host():
+    "Two milliseconds of host work per call must not show up in the device time of a ~0.1 ms copy."
+    import time
+    from rtrainer.kernels import median_ms
+    x = torch.randn(2 ** 26, device="cuda"); y = torch.empty_like(x)           # 512 MB moved per copy
+    def copy(): y.copy_(x)
+    def slow_host_copy(): time.sleep(0.002); y.copy_(x)
+    fast, slow = median_ms(copy), median_ms(slow_host_copy)
+    print(f"copy {fast:.4f} ms, with 2 ms of host work per call {slow:.4f} ms")
+    assert 0.05 < fast < 1.0 and slow < 1.3 * fast + 0.02
