@@ -30,6 +30,7 @@ for s in "$@"; do case $s in
   kernels)   stage bench_kernels 150 $PY -c "from rtrainer.kernels import benchmark_suite; benchmark_suite(quick=True)" ;;
   kernels-full) stage bench_kernels_full ${KERNELS_LIMIT:-200} $PY -c "from rtrainer.kernels import benchmark_suite; benchmark_suite()" ;;
   sweeps)    stage sweeps ${SWEEPS_LIMIT:-150} $RT sweep rms_norm 'BACKWARD_PROGRAMS_PER_SM=4,BACKWARD_PROGRAMS_PER_SM=8,BACKWARD_PROGRAMS_PER_SM=16 BACKWARD_NUM_WARPS=4,BACKWARD_PROGRAMS_PER_SM=8 BACKWARD_NUM_STAGES=1,BACKWARD_BLOCK_ROWS=2 BACKWARD_PROGRAMS_PER_SM=8,BACKWARD_NUM_WARPS=16,BACKWARD_BLOCK_ROWS=4 BACKWARD_NUM_WARPS=16 BACKWARD_PROGRAMS_PER_SM=2' --sizes 32768x3072 16384x8192 ;;
+  sweep-*)   k=${s#sweep-}; v=SWEEP_${k^^}; z=SIZES_${k^^}; stage "sweep_$k" ${SWEEPS_LIMIT:-150} $RT sweep "$k" "${!v}" ${!z:+--sizes ${!z}} ;;   # SWEEP_RMS_NORM='NUM_WARPS=4,...' SIZES_RMS_NORM='32768x3072 ...'
   matmul-ce) stage bench_matmul_ce 150 $PY -c "from rtrainer.matmul import benchmark_suite; benchmark_suite(chunk_rows=(2048,), gemm_models=())" ;;
   gemm-all)  stage bench_gemm_all ${GEMM_LIMIT:-240} $PY -c "from rtrainer.matmul import benchmark_suite; benchmark_suite(gemm_models=list(__import__('rtrainer.matmul').matmul.MODEL_SHAPES))" ;;
   profile-*) c=${s#profile-}; stage "profile_$c" 120 $RT profile --config "$c" ;;
