@@ -101,6 +101,10 @@ class TrainingData:
         self.train, self.val = [], []
         if not self.synthetic:
             train, val = read_manifest(source)
+            tokenizer = json.loads((Path(source) / "manifest.json").read_text()).get("tokenizer", {})
+            if tokenizer.get("vocab_size", 0) > vocab_size:   # ids past the embedding: a device-side assert on a GPU
+                raise ValueError(f"{source}: its tokenizer {tokenizer.get('name', '?')} has {tokenizer['vocab_size']} ids but the model's "
+                                 f"vocab_size is {vocab_size}; use a model with vocab_size >= {tokenizer['vocab_size']} (e.g. --vocab-size {tokenizer['vocab_size']})")
             self.train = [TokenFile.open(p, seed) for p in train]
             self.val = [TokenFile.open(p, seed) for p in val]
             self.weights = np.array([len(t) for t in self.train], dtype=np.float64); self.weights /= self.weights.sum()

@@ -7,8 +7,11 @@ from rtrainer.moe import (MoeFeedForward, route_tokens, load_balance_loss, load_
                           capacity_slots, capacity_moe_reference, dropless_moe_reference, capacity_plan, dropless_plan,
                           grouped_gemm_triton, grouped_gemm_weight_grad_triton, grouped_gemm_reference,
                           gather_rows_triton, combine_rows_triton, naive_moe_loop, check_moe_against_loop,
-                          compare_triton_to_torch, moe_parameter_count, accumulation_gradients)
-from rtrainer.kernels import KERNELS_CAN_RUN
+                          compare_triton_to_torch, moe_parameter_count, accumulation_gradients, grouped_gemm_library,
+                          grouped_gemm_weight_grad_library, library_support, expert_backends, check_empty_expert,
+                          saved_tensor_bytes, expert_saved_bytes, moe_experts_triton)
+import rtrainer.moe as moe
+from rtrainer.kernels import KERNELS_CAN_RUN, knob_values, start_gradient_step, gradient_fp32
 
 needs_kernels = pytest.mark.skipif(not KERNELS_CAN_RUN, reason="needs a CUDA GPU or TRITON_INTERPRET=1 before import")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -211,3 +214,110 @@ def test_triton_layer_matches_float64_reference(dispatch, capacity_factor, share
     router_tolerance = 1e-3 if top_k == 1 else 1e-4
     assert errors.pop("router") < router_tolerance, errors
     assert max(errors.values()) < 1e-4, errors
+
+# ---- the library GEMM backend (bmm / _grouped_mm on the CPU, fp32), memory, the router's low-memory product ----
+
+GROUPED_MM_ON_CPU = library_support("cpu")["grouped_mm"][0]
+
+@pytest.mark.parametrize("sizes,capacity", [([5, 0, 37, 16, 0, 1, 20], 0), ([0, 0, 3], 0), ([33], 0), ([17, 17, 0], 0),
+                                            ([9] * 5, 9), ([1] * 3, 1)])
+def test_library_grouped_gemm_matches_float64(sizes, capacity):
+    if not capacity and not GROUPED_MM_ON_CPU: pytest.skip("torch._grouped_mm does not run on this CPU")
+    torch.manual_seed(len(sizes) + capacity)
+    s = torch.tensor(sizes); ends = s.cumsum(0).to(torch.int32); starts = ends - s.to(torch.int32)
+    R, K, N = int(s.sum()), 24, 40
+    a, w, dc = torch.randn(R, K), torch.randn(len(sizes), K, N), torch.randn(R, N)
+    y = grouped_gemm_library(a, w, starts, ends, capacity)
+    want = grouped_gemm_reference(a.double(), w.double(), starts, ends)
+    if R: assert rel(y, want) < 1e-5
+    da = grouped_gemm_library(dc, w.transpose(1, 2), starts, ends, capacity)       # a view, as the backward passes it
+    if R: assert rel(da, grouped_gemm_reference(dc.double(), w.double().transpose(1, 2), starts, ends)) < 1e-5
+    dw = torch.full(w.shape, float("nan"))
+    grouped_gemm_weight_grad_library(a, dc, starts, ends, dw, capacity=capacity)
+    dw_want = torch.stack([a[x:e].double().T @ dc[x:e].double() for x, e in zip(starts.tolist(), ends.tolist())])
+    assert not dw.isnan().any()
+    for g, n in enumerate(sizes):
+        if n == 0: assert dw[g].abs().max() == 0                                      # empty group: zero, written
+    if dw_want.norm() > 0: assert rel(dw, dw_want) < 1e-5
+    grouped_gemm_weight_grad_library(a, dc, starts, ends, dw, accumulate=True, capacity=capacity)
+    if dw_want.norm() > 0: assert rel(dw, 2 * dw_want) < 1e-5
+
+def test_expert_backends_resolve_and_validate():
+    assert expert_backends(torch.float32, "cpu", True).gemm == "triton"                # auto on a CPU: the Triton kernels
+    assert expert_backends(torch.bfloat16, "cpu", False) == ("triton", "triton", "Triton kernel, fp32 into main_grad")
+    with knob_values(moe, {"EXPERT_GEMM": "library"}):
+        assert expert_backends(torch.float32, "cpu", True)[:2] == ("library", "library")     # fp32: bmm writes fp32
+        b = expert_backends(torch.bfloat16, "cpu", True)                                 # no bmm(out_dtype=) on a CPU
+        assert b.weight_grad == ("library" if library_support("cpu")["bmm_fp32_out"][0] else "triton")
+        if GROUPED_MM_ON_CPU:
+            assert expert_backends(torch.float32, "cpu", False)[:2] == ("library", "library")
+            with pytest.raises(ValueError): expert_backends(torch.float32, "cpu", False, strides_aligned=False)
+    with knob_values(moe, {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "library"}):
+        note = expert_backends(torch.bfloat16, "cpu", True).weight_grad_note
+        assert "added to fp32 main_grad" in note and "refused" in note, note            # the fallback says why
+    for knob in ("EXPERT_GEMM", "EXPERT_WEIGHT_GRAD"):
+        with knob_values(moe, {knob: "cublas"}), pytest.raises(ValueError): expert_backends(torch.float32, "cpu", True)
+
+@needs_kernels
+@pytest.mark.parametrize("dispatch,capacity_factor,weight_grad", [("capacity", 0.8, "library"), ("capacity", 1.3, "triton"),
+                                                                  ("dropless", 1.0, "library"), ("dropless", 1.0, "triton")])
+def test_library_layer_matches_float64_reference(dispatch, capacity_factor, weight_grad):
+    if dispatch == "dropless" and not GROUPED_MM_ON_CPU: pytest.skip("torch._grouped_mm does not run on this CPU")
+    with knob_values(moe, {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": weight_grad}):
+        errors = compare_triton_to_torch(20, 24, 5, 2, 29, dispatch, capacity_factor, shared_expert_d_ff=8, device=DEVICE, block_m=16)
+    print(dispatch, weight_grad, errors)
+    assert max(errors.values()) < 1e-4, errors
+
+@needs_kernels
+@pytest.mark.parametrize("backend", ["triton", "library"])
+def test_empty_expert_gets_zero_gradient(backend):
+    if backend == "library" and not GROUPED_MM_ON_CPU: pytest.skip("torch._grouped_mm does not run on this CPU")
+    with knob_values(moe, {"EXPERT_GEMM": backend, "EXPERT_WEIGHT_GRAD": backend}):
+        errors, empty_grad = check_empty_expert(n_tokens=17, n_experts=6, empty=0, device=DEVICE, seed=3)
+    print(backend, errors)
+    assert empty_grad == 0 and max(errors.values()) < 1e-4, (errors, empty_grad)
+
+@needs_kernels
+@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
+def test_recomputing_in_backward_changes_no_bit(dispatch):
+    results = {}
+    for recompute in (True, False):
+        torch.manual_seed(4)
+        layer = MoeFeedForward(16, 8, 4, 2, dispatch=dispatch, capacity_factor=0.9, impl="triton", device=DEVICE)
+        layer.grouped_gemm_block_m = 16
+        x = torch.randn(19, 16, device=DEVICE, requires_grad=True)
+        start_gradient_step(layer.parameters())
+        with knob_values(moe, {"RECOMPUTE_IN_BACKWARD": recompute}):
+            y = layer(x)
+            (y * torch.linspace(-1, 1, 16, device=DEVICE)).sum().backward()
+        results[recompute] = [y.detach(), x.grad] + [gradient_fp32(p) for p in layer.parameters()]
+    for a, b in zip(results[True], results[False]): assert torch.equal(a, b)
+
+@needs_kernels
+@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
+def test_saved_bytes_match_the_count_from_shapes(dispatch):
+    torch.manual_seed(6)
+    N, D, FF, E, k = 13, 16, 8, 4, 2
+    x = torch.randn(N, D, device=DEVICE, requires_grad=True)
+    gate_up = torch.nn.Parameter(torch.randn(E, D, 2 * FF, device=DEVICE)); down = torch.nn.Parameter(torch.randn(E, FF, D, device=DEVICE))
+    _, experts, weights = route_tokens(x.detach(), torch.randn(D, E, device=DEVICE), k)
+    plan = capacity_plan(experts, E, 1.0) if dispatch == "capacity" else dropless_plan(experts, E)
+    for recompute in (True, False):
+        with knob_values(moe, {"RECOMPUTE_IN_BACKWARD": recompute}):
+            measured, y = saved_tensor_bytes(lambda: moe_experts_triton(x, weights.requires_grad_(), plan, gate_up, down, block_m=16),
+                                             exclude=[gate_up, down])
+        want = sum(expert_saved_bytes(N, D, FF, E, k, plan.row_token.shape[0], itemsize=4, recompute=recompute).values())
+        assert measured - want == (8 if dispatch == "capacity" else 0), (measured, want)   # capacity: the scratch row's 8 bytes
+        del y
+
+def test_router_low_memory_same_numbers_fewer_bytes():
+    torch.manual_seed(7)
+    x0, r0 = torch.randn(23, 12, dtype=torch.bfloat16), torch.randn(12, 5)
+    out, saved = {}, {}
+    for low_memory in (False, True):
+        x, r = x0.clone().requires_grad_(), r0.clone().requires_grad_()
+        saved[low_memory], (probs, _, weights) = saved_tensor_bytes(lambda: route_tokens(x, r, 2, low_memory=low_memory), exclude=[r])
+        (probs.square().sum() + weights.exp().sum()).backward()
+        out[low_memory] = [probs.detach(), weights.detach(), x.grad, r.grad]
+    for a, b in zip(out[False], out[True]): assert torch.equal(a, b)
+    assert saved[False] - saved[True] == 23 * 12 * 2        # the fp32 copy of x (4 bytes) replaced by x (2 bytes)

@@ -172,3 +172,12 @@ def test_synthetic_batches_are_contiguous_and_shifted():
     inputs, targets = data.batch(5, 4, 9)
     assert inputs.is_contiguous() and targets.is_contiguous() and inputs.shape == targets.shape == (4, 9)
     assert torch.equal(inputs[:, 1:], targets[:, :-1])
+
+def test_shards_with_a_larger_vocabulary_than_the_model_are_refused(tmp_path):
+    "r50k shards (50,257 ids) cannot feed a model whose embedding has fewer rows: a clear error, before any shard is read."
+    import json
+    from rtrainer.training import TrainingData
+    (tmp_path / "manifest.json").write_text(json.dumps({"tokenizer": {"name": "r50k_base", "vocab_size": 50257},
+                                                        "shards": [{"file": "x-train-00000.tok", "split": "train"}]}))
+    with pytest.raises(ValueError, match="50257 ids but the model's vocab_size is 32004"):
+        TrainingData(str(tmp_path), 0, 32004)
