@@ -76,8 +76,8 @@ def expert_capacity(n_tokens, top_k, n_experts, capacity_factor):
 def capacity_slots(top_experts, n_experts, capacity):
     "(slot (N*k,), kept (N*k,) bool): each assignment's row in the (E*C + 1)-row buffer; overflow -> scratch row E*C."
     flat = top_experts.flatten()                                               # (N*k,) in (token, rank) order
-    one_hot = F.one_hot(flat, n_experts)                                       # (N*k, E)
-    position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1                       # rank of the assignment within its expert
+    one_hot = F.one_hot(flat, n_experts).T.contiguous()                        # (E, N*k): each expert's row contiguous
+    position = (one_hot.cumsum(1) * one_hot).sum(0) - 1                        # rank of the assignment within its expert
     kept = position < capacity
     slot = torch.where(kept, flat * capacity + position, n_experts * capacity)
     return slot, kept
