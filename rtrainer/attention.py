@@ -6,8 +6,8 @@ Docs: https://example.invalid/rtrainer/rtrainer/attention.html.md"""
 
 # %% auto #0
 __all__ = ['SUPPORTED_HEAD_DIMS', 'INTERPRET_BLOCK_M', 'INTERPRET_BLOCK_N', 'LOG2_E', 'PREPROCESS_BLOCK', 'FORWARD_CONFIGS',
-           'DQ_CONFIGS', 'DKDV_CONFIGS', 'AUTOTUNE_KEY', 'REFERENCE_ATTENTION_SHAPES', 'SWEEP_LENGTHS', 'SWEEP_TOKENS',
-           'SWEEP_HEADS', 'SDPA_BACKENDS', 'BENCHMARK_ROUNDS', 'attention_reference', 'attention_sdpa',
+           'DQ_CONFIGS', 'DKDV_CONFIGS', 'AUTOTUNE_KEY', 'FP32_CONFIGS', 'REFERENCE_ATTENTION_SHAPES', 'SWEEP_LENGTHS',
+           'SWEEP_TOKENS', 'SWEEP_HEADS', 'SDPA_BACKENDS', 'BENCHMARK_ROUNDS', 'attention_reference', 'attention_sdpa',
            'flash_forward_kernel', 'flash_backward_preprocess_kernel', 'flash_backward_dkdv_kernel',
            'flash_backward_dq_kernel', 'flash_attention_forward', 'flash_attention_backward', 'FlashAttentionFunction',
            'flash_attention', 'fused_qkv_views', 'attention_parity_errors', 'attention_flops', 'benchmark_suite']
@@ -267,9 +267,19 @@ else:
     _dq_launch = triton.autotune(DQ_CONFIGS, key=AUTOTUNE_KEY)(flash_backward_dq_kernel)
     _dkdv_launch = triton.autotune(DKDV_CONFIGS, key=AUTOTUNE_KEY)(flash_backward_dkdv_kernel)
 
-def _blocks():
-    "Explicit block sizes in the interpreter (one small config); the autotuner picks them on the GPU."
-    return dict(BLOCK_M=INTERPRET_BLOCK_M, BLOCK_N=INTERPRET_BLOCK_N) if INTERPRETING else {}
+# fp32 (IEEE dot products) serves the parity tests and the fp32 policy, whose speed is no target: it runs one fixed config per kernel
+# instead of autotuning four (the autotuner's fp32 compiles took about 100 s per head dim on the H200). Each fits
+# in shared memory at head dim 128 (at most 107 KB, compiled for sm_90) and keeps the kernel's block constraints.
+FP32_CONFIGS = {"forward": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+                "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+                "dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2)}
+
+def _launcher(kernel, dtype):
+    "(launcher, explicit meta-parameters) for 'forward' | 'dq' | 'dkdv': autotuned for 16-bit inputs on the GPU, fixed otherwise."
+    plain = dict(forward=flash_forward_kernel, dq=flash_backward_dq_kernel, dkdv=flash_backward_dkdv_kernel)[kernel]
+    if INTERPRETING: return plain, dict(BLOCK_M=INTERPRET_BLOCK_M, BLOCK_N=INTERPRET_BLOCK_N)
+    if dtype == torch.float32: return plain, FP32_CONFIGS[kernel]
+    return dict(forward=_forward_launch, dq=_dq_launch, dkdv=_dkdv_launch)[kernel], {}
 
 def _unit_stride(t):
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -303,9 +313,9 @@ def flash_attention_forward(q, k, v, causal=True, o=None, lse=None):
     lse = _output(lse, (B, H, T), q, "lse", torch.float32)
     sm_scale = 1.0 / math.sqrt(hd)
     grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)
-    _forward_launch[grid](q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-                          H, T, H // KV, sm_scale * LOG2_E, HEAD_DIM=hd, CAUSAL=causal,
-                          PRECISION=_precision(q.dtype), **_blocks())
+    launch, config = _launcher("forward", q.dtype)
+    launch[grid](q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+                 H, T, H // KV, sm_scale * LOG2_E, HEAD_DIM=hd, CAUSAL=causal, PRECISION=_precision(q.dtype), **config)
     return o, lse
 
 def flash_attention_backward(do, q, k, v, o, lse, causal=True, dq=None, dk=None, dv=None):
@@ -321,12 +331,14 @@ def flash_attention_backward(do, q, k, v, o, lse, causal=True, dq=None, dk=None,
     dk = _output(dk, (B, T, KV, hd), k, "dk")
     dv = _output(dv, (B, T, KV, hd), v, "dv")
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
-    _dkdv_launch[lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * KV)](
+    launch, config = _launcher("dkdv", q.dtype)
+    launch[lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * KV)](
         q, k, v, do, lse, delta, dk, dv, *strides, *dk.stride()[:3], H, KV, T, H // KV, sm_scale * LOG2_E, sm_scale,
-        HEAD_DIM=hd, CAUSAL=causal, PRECISION=_precision(q.dtype), **_blocks())
-    _dq_launch[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)](
+        HEAD_DIM=hd, CAUSAL=causal, PRECISION=_precision(q.dtype), **config)
+    launch, config = _launcher("dq", q.dtype)
+    launch[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)](
         q, k, v, do, lse, delta, dq, *strides, *dq.stride()[:3], H, T, H // KV, sm_scale * LOG2_E, sm_scale,
-        HEAD_DIM=hd, CAUSAL=causal, PRECISION=_precision(q.dtype), **_blocks())
+        HEAD_DIM=hd, CAUSAL=causal, PRECISION=_precision(q.dtype), **config)
     return dq, dk, dv
 
 class FlashAttentionFunction(torch.autograd.Function):
