@@ -44,11 +44,11 @@ for s in "$@"; do case $s in
   versus-*)  c=${s#versus-}; stage "versus_$c" "${VERSUS_LIMIT:-220}" $PY -m rtrainer versus --config "$c" --tiers "${TIERS:-default}" --rounds "${ROUNDS:-2}" --steps ${VSTEPS:-4} --warmup ${VWARMUP:-3} --timeout ${ARM_TIMEOUT:-160} ;;
   norms)     stage bench_norms 90 $PY -c "from rtrainer.kernels import benchmark_suite; benchmark_suite(kernels=['rms_norm', 'add_rms_norm'], save_as='kernels_norms')" ;;
   fsdp)      stage fsdp ${FSDP_LIMIT:-300} $PY -c "from rtrainer.distributed import benchmark_suite; print(benchmark_suite(steps=${STEPS:-12}, rounds=${ROUNDS:-3}, impl='${IMPL:-triton}'))" ;;
-  curves)    stage loss_curves ${CURVES_LIMIT:-480} $PY tests/gpu_train_bench.py --arms ${CURVE_ARMS:-rb100m:32:torch,rb100m:32:triton,dense1b:16:torch,dense1b:16:triton} --rounds 1 --steps ${CURVE_STEPS:-200} --data data/python-docs --name ${CURVE_NAME:-loss_curves} --extra "--lr 6e-4 --warmup 20 ${CURVE_EXTRA:---vocab-size 50257}" ;;   # the python-docs shard is r50k: rb100m needs the wider vocabulary
+  curves-*)  c=${s#curves-}; b=$($PY -c "from rtrainer.model import REFERENCE_BATCH as R; print(R['$c'])"); stage "loss_curves_$c" ${CURVES_LIMIT:-300} $PY tests/gpu_train_bench.py --arms $c:$b:torch,$c:$b:triton --rounds 1 --steps ${CURVE_STEPS:-200} --data data/python-docs --name "loss_curves_$c" --extra "--lr 6e-4 --warmup 20 ${CURVE_EXTRA:---vocab-size 50257}" ;;   # the python-docs shard is r50k: rb100m needs the wider vocabulary
   optimizer-full) stage bench_optimizer_full ${OPT_LIMIT:-150} $PY -c "from rtrainer.optimizer import benchmark_suite; benchmark_suite()" ;;
   *) echo "unknown stage $s"; exit 2 ;;
 esac; done
 
 tar czf "$OUT/results.tgz" data/results 2>/dev/null
 echo; echo "=== summary ($((SECONDS-start_all)) s)"; cat "$SUMMARY"
-grep -hE "^(rb100m|dense1b|prof183m|moe4b)|ratio" "$LOGS"/train.log "$LOGS"/e2e_*.log "$LOGS"/loss_curves.log 2>/dev/null | tail -n 12
+grep -hE "^(rb100m|dense1b|prof183m|moe4b)|ratio" "$LOGS"/train.log "$LOGS"/e2e_*.log "$LOGS"/loss_curves_*.log 2>/dev/null | tail -n 12
