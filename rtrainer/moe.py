@@ -18,7 +18,7 @@ __all__ = ['GROUPED_GEMM_BLOCK_M', 'ROW_BLOCK', 'EXPERT_GEMM', 'EXPERT_WEIGHT_GR
            'benchmark_suite']
 
 # %% ../nbs/03_moe.ipynb #d120d79d
-import math, os, time
+import math, os, sys, time
 from dataclasses import dataclass
 from typing import NamedTuple
 import torch
@@ -336,12 +336,7 @@ EXPERT_GEMM = "auto"          # expert forward and input-gradient GEMMs: "triton
 EXPERT_WEIGHT_GRAD = "auto"   # expert weight gradients into main_grad: "triton" (fp32 kernel) | "library" | "auto"
 EXPERT_BACKENDS = ("triton", "library", "auto")
 
-class _ModuleKnobs:
-    "getattr/setattr onto this module's globals: what `knob_values` needs, in rtrainer.moe and in this notebook alike."
-    def __getattr__(self, name): return globals()[name]
-    def __setattr__(self, name, value): globals()[name] = value
-
-MOE_KNOBS = _ModuleKnobs()    # knob_values(MOE_KNOBS, {"EXPERT_GEMM": "library"}) switches the backend for a block
+MOE_KNOBS = sys.modules[__name__]   # this module (or notebook): knob_values(MOE_KNOBS, {"EXPERT_GEMM": "library"}) switches the backend for a block
 
 def _try(fn):
     try: fn(); return True, ""
