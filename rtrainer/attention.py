@@ -274,12 +274,15 @@ FP32_CONFIGS = {"forward": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=
                 "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
                 "dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2)}
 
+_PLAIN = dict(forward=flash_forward_kernel, dq=flash_backward_dq_kernel, dkdv=flash_backward_dkdv_kernel)
+_TUNED = dict(forward=_forward_launch, dq=_dq_launch, dkdv=_dkdv_launch)
+_INTERPRET_CONFIG = dict(BLOCK_M=INTERPRET_BLOCK_M, BLOCK_N=INTERPRET_BLOCK_N)
+
 def _launcher(kernel, dtype):
     "(launcher, explicit meta-parameters) for 'forward' | 'dq' | 'dkdv': autotuned for 16-bit inputs on the GPU, fixed otherwise."
-    plain = dict(forward=flash_forward_kernel, dq=flash_backward_dq_kernel, dkdv=flash_backward_dkdv_kernel)[kernel]
-    if INTERPRETING: return plain, dict(BLOCK_M=INTERPRET_BLOCK_M, BLOCK_N=INTERPRET_BLOCK_N)
-    if dtype == torch.float32: return plain, FP32_CONFIGS[kernel]
-    return dict(forward=_forward_launch, dq=_dq_launch, dkdv=_dkdv_launch)[kernel], {}
+    if INTERPRETING: return _PLAIN[kernel], _INTERPRET_CONFIG
+    if dtype == torch.float32: return _PLAIN[kernel], FP32_CONFIGS[kernel]
+    return _TUNED[kernel], {}
 
 def _unit_stride(t):
     return t if t.stride(-1) == 1 else t.contiguous()

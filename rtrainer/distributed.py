@@ -508,8 +508,7 @@ def benchmark_suite(model="dense1b", batch_size=16, seq_len=1024, steps=16, roun
     if not torch.cuda.is_available(): raise ValueError("benchmark_suite needs a CUDA GPU")
     unknown = [e for e in engines if e not in DATA_PARALLEL]
     if unknown: raise ValueError(f"benchmark_suite: unknown engines {unknown}; choose from {', '.join(DATA_PARALLEL)}")
-    from rtrainer.kernels import save_results
-    from rtrainer.profiling import alternation
+    from rtrainer.kernels import save_results, alternation
     work = Path(tempfile.mkdtemp())
     flags = [model, "--data", "synthetic", "--batch-size", str(batch_size), "--seq-len", str(seq_len), "--steps", str(steps),
              "--log-every", "1", "--eval-every", "0", "--no-progress", "--no-checkpoints", "--impl", impl]

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from .kernels import (INTERPRETING, KERNELS_CAN_RUN, register_op, at_least_fp32, main_grad_for_write, mark_main_grad_written,
-                              median_ms, save_results, load_results, show_results, machine_metadata, knob_values)
+                              median_ms, peak_bytes, save_results, load_results, show_results, machine_metadata, knob_values)
 
 # %% ../nbs/01a_matmul.ipynb #0bd04b24
 IGNORE_INDEX = -100
@@ -372,10 +372,8 @@ def run_gemm_bench(model_shapes=None, batch_size=None):
 def _peak_ms(fn, reset):
     "(median ms, peak bytes allocated above the starting point) of fn() on the GPU."
     reset(); fn(); torch.cuda.synchronize()
-    reset(); torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn(); torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    reset()
+    peak = peak_bytes(fn)
     return median_ms(lambda: (reset(), fn())), peak
 
 def benchmark_suite(quick=False, chunk_rows=(), gemm_models=None):

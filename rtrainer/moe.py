@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from .kernels import (INTERPRETING, KERNELS_CAN_RUN, register_op, get_op, resolve_impl, at_least_fp32, swiglu_reference,
                               swiglu_forward, swiglu_backward, main_grad_for_write, mark_main_grad_written, start_gradient_step,
-                              gradient_fp32, median_ms, save_results, show_results, knob_values)
+                              gradient_fp32, median_ms, peak_bytes, alternation, ratio_interval, save_results, show_results, knob_values)
 from .matmul import linear_reference    # also registers the "linear" op used by the shared expert
 
 # %% ../nbs/03_moe.ipynb #4f695818
@@ -718,8 +718,6 @@ def accumulation_gradients(layer, sequences, probe, micro_batch):
     return lm_grad, lb_grad
 
 # %% ../nbs/03_moe.ipynb #7eb53ecb
-_T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}   # Student t, 95% two-sided
-
 BENCHMARK_ARMS = {   # arm: (dispatch, impl, knobs); the first arm is compiled, and is the bar
     "torch.compile capacity": ("capacity", "torch", {}),
     "eager capacity": ("capacity", "torch", {}),
@@ -735,13 +733,6 @@ def _moe_layer_step(layer, x, grad_y, params):
     y = layer(x)
     torch.autograd.backward([y, layer.last_stats["load_balance_loss"]], [grad_y, torch.ones_like(layer.last_stats["load_balance_loss"])])
 
-def _peak_step_bytes(step):
-    "Peak bytes allocated during one call of `step`, above what was allocated before it."
-    torch.cuda.synchronize()
-    start = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step(); torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - start
 
 def _arm_backends(dispatch, impl, knobs, dtype):
     if impl == "torch": return None
@@ -769,11 +760,11 @@ def benchmark_suite(quick=False, rounds=5):
             with knob_values(MOE_KNOBS, knobs): _moe_layer_step(module, x, grad_y, params)
         return step
     steps = {name: make_step(name) for name in BENCHMARK_ARMS}
-    first_call_s, peak_bytes, saved_bytes = {}, {}, {}
+    first_call_s, peaks, saved_bytes = {}, {}, {}
     for name, fn in steps.items():                    # compile, autotune, warm the allocator; first call timed apart
         t0 = time.perf_counter(); fn(); torch.cuda.synchronize(); first_call_s[name] = time.perf_counter() - t0
         fn()
-        peak_bytes[name] = _peak_step_bytes(fn)
+        peaks[name] = peak_bytes(fn)
         if name != base_name:
             layer, knobs = layers[name], BENCHMARK_ARMS[name][2]
             start_gradient_step(layer.parameters())
@@ -785,8 +776,8 @@ def benchmark_suite(quick=False, rounds=5):
     max_load = layers["triton dropless"].last_stats["expert_load"].max().item() * E
     dropped = layers["triton capacity"].last_stats["dropped_fraction"].item()
     times = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, fn in steps.items(): times[name].append(median_ms(fn))
+    for r in range(rounds):
+        for name in alternation(steps, r): times[name].append(median_ms(steps[name]))
     routed_rows = N * k
     flops = 3 * 2 * routed_rows * D * 3 * FF          # forward + 2x backward, gate_up (2FF) and down (FF) GEMMs
     base = sum(times[base_name]) / rounds
@@ -795,13 +786,11 @@ def benchmark_suite(quick=False, rounds=5):
         dispatch, impl, knobs = BENCHMARK_ARMS[name]
         backends = _arm_backends(dispatch, impl, knobs, dt)
         mean = sum(ts) / len(ts)
-        ratios = [b / t for b, t in zip(times[base_name], ts)]
-        r_mean = sum(ratios) / len(ratios)
-        r_sd = (sum((r - r_mean) ** 2 for r in ratios) / max(1, len(ratios) - 1)) ** 0.5
-        t_975 = _T_975.get(len(ratios) - 1, 1.96)
+        _, low, high = ratio_interval([b / t for b, t in zip(times[base_name], ts)])     # paired by round
         rows.append(dict(arm=name, ms=mean, ms_min=min(ts), ms_max=max(ts), tflops=flops / mean / 1e9,
-                         speedup_vs_compile=base / mean, speedup_ci95=t_975 * r_sd / len(ratios) ** 0.5, first_call_s=first_call_s[name],
-                         peak_step_gib=peak_bytes[name] / 2**30, saved_gib=saved_bytes[name] / 2**30 if name in saved_bytes else None,
+                         speedup_vs_compile=base / mean, speedup_ci95=(high - low) / 2 if low is not None else None,
+                         speedup_ci95_low=low, speedup_ci95_high=high, first_call_s=first_call_s[name],
+                         peak_step_gib=peaks[name] / 2**30, saved_gib=saved_bytes[name] / 2**30 if name in saved_bytes else None,
                          dispatch=dispatch, gemm=backends.gemm if backends else "torch", weight_grad=backends.weight_grad if backends else "torch",
                          weight_grad_note=backends.weight_grad_note if backends else "autograd, bf16",
                          tokens=N, d_model=D, expert_d_ff=FF, experts=E, top_k=k))

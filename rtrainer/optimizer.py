@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 from .kernels import (get_op, register_op, resolve_impl, start_gradient_step, gradient_fp32,
-                              median_ms, save_results, show_results, machine_metadata, knob_values, INTERPRETING, KERNELS_CAN_RUN)
+                              median_ms, save_results, show_results, machine_metadata, knob_values, alternation, ratio_interval,
+                              INTERPRETING, KERNELS_CAN_RUN)
 
 # %% ../nbs/04_optimizer.ipynb #5903afa7
 PRECISIONS = ("bf16", "fp32")
@@ -365,13 +366,12 @@ def fused_adamw_update(work, s):
         device = group[0][0].device
         if not kernels_can_run(device): raise ValueError(f"fused_adamw_update: Triton kernels need a CUDA device or TRITON_INTERPRET=1 (tensors are on {device})")
         numels = [w[0].numel() for w in group]
-        n_chunks = sum(-(-n // ADAMW_CHUNK_SIZE) for n in numels)
-        if not n_chunks: continue
+        if not any(numels): continue
         addresses = [[w[k].data_ptr() for w in group] for k in range(4)]
         tables = _tables(addresses + [numels, [int(w[4]) for w in group]], device,
                          validate=lambda: _check_adamw_group(group, dtype), signature=[w[k].dtype for w in group for k in range(4)] + [ADAMW_CHUNK_SIZE],
                          derived=lambda: chunk_plan(numels, ADAMW_CHUNK_SIZE))
-        adamw_multi_tensor_kernel[(n_chunks,)](
+        adamw_multi_tensor_kernel[(len(tables[-1]),)](                    # one program per chunk of the plan
             *tables, s["lr"], s["lr_weight_decay"], s["beta1"], s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"],
             s["inv_bias_correction1"], s["inv_bias_correction2"], s["eps"], s["grad_scale"],
             PARAM_IS_BF16=dtype == torch.bfloat16, ALIGNED=all(a % ALIGNMENT_BYTES == 0 for column in addresses for a in column),
@@ -382,13 +382,13 @@ def fused_grad_norm(grads):
     if not grads: raise ValueError("fused_grad_norm: no gradients")
     device = grads[0].device
     numels = [g.numel() for g in grads]
-    n_chunks = sum(-(-n // ADAMW_CHUNK_SIZE) for n in numels)
-    if not n_chunks:
+    if not any(numels):
         _check_tensors("fused_grad_norm", grads, (torch.float32,))
         return torch.zeros((), dtype=torch.float32, device=device)
     addresses = [g.data_ptr() for g in grads]
     tables = _tables([addresses, numels], device, derived=lambda: chunk_plan(numels, ADAMW_CHUNK_SIZE),
                      validate=lambda: _check_tensors("fused_grad_norm", grads, (torch.float32,)), signature=[g.dtype for g in grads] + [ADAMW_CHUNK_SIZE])
+    n_chunks = len(tables[-1])
     partial_sums = torch.full((n_chunks,), float("nan"), dtype=torch.float32, device=device)  # poisoned: an unwritten partial shows as NaN
     sum_of_squares_multi_tensor_kernel[(n_chunks,)](
         *tables, partial_sums, ALIGNED=all(a % ALIGNMENT_BYTES == 0 for a in addresses), CHUNK_SIZE=ADAMW_CHUNK_SIZE,
@@ -463,12 +463,12 @@ def benchmark_suite(quick=False, save=True, rounds=3):
                                 GB_per_s=round(gbps, 1), of_copy=round(gbps / copy_gbps, 3), **extra))
     arms = {"fused": lambda: optimizers["triton"].step(1e-6), "compile": lambda: compiled_update(work, s)}
     times = {name: [] for name in arms}
-    for r in range(rounds):                                                             # A B, B A, ...
-        for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]): times[name].append(median_ms(arms[name]))
-    ratios = [c / f for c, f in zip(times["compile"], times["fused"])]                  # > 1: the fused step is faster
+    for r in range(rounds):
+        for name in alternation(arms, r): times[name].append(median_ms(arms[name]))
+    speedup, low, high = ratio_interval([c / f for c, f in zip(times["compile"], times["fused"])])   # > 1: fused is faster
     row("adamw step, fused triton (AdamW.step)", statistics.mean(times["fused"]), state_bytes, launches=2,
-        ms_rounds=[round(t, 4) for t in times["fused"]], speedup_vs_compile=round(statistics.mean(ratios), 3),
-        speedup_min_max=[round(min(ratios), 3), round(max(ratios), 3)])
+        ms_rounds=[round(t, 4) for t in times["fused"]], speedup_vs_compile=round(speedup, 3),
+        speedup_ci95=[low and round(low, 3), high and round(high, 3)])
     row("adamw step, torch.compile(reference loop)", statistics.mean(times["compile"]), state_bytes, compile_s=round(compile_s, 1),
         ms_rounds=[round(t, 4) for t in times["compile"]])
     if not quick:

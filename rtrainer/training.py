@@ -81,13 +81,17 @@ class TrainConfig:
         return self
 
 # %% ../nbs/06_training.ipynb #4f2a66ce
-def read_manifest(folder):
-    "The shard lists (train paths, held-out paths) of a prepared data folder."
+def read_manifest(folder, vocab_size=None):
+    "The shard lists (train paths, held-out paths) of a prepared data folder; checks its tokenizer fits `vocab_size`."
     folder = Path(folder)
     manifest = folder / "manifest.json"
     if not manifest.exists():
         raise FileNotFoundError(f"{folder}: no manifest.json (prepare data with `rtrainer prepare --out {folder}`)")
     m = json.loads(manifest.read_text())
+    tokenizer = m.get("tokenizer", {})
+    if vocab_size is not None and tokenizer.get("vocab_size", 0) > vocab_size:   # ids past the embedding: a device-side assert on a GPU
+        raise ValueError(f"{folder}: its tokenizer {tokenizer.get('name', '?')} has {tokenizer['vocab_size']} ids but the model's "
+                         f"vocab_size is {vocab_size}; use a model with vocab_size >= {tokenizer['vocab_size']} (e.g. --vocab-size {tokenizer['vocab_size']})")
     shards = m.get("shards", [])
     train = [folder / s["file"] for s in shards if s.get("split") == "train"]
     val = [folder / s["file"] for s in shards if s.get("split") == "val"]
@@ -100,11 +104,7 @@ class TrainingData:
         self.seed, self.vocab_size, self.synthetic = seed, vocab_size, source == "synthetic"
         self.train, self.val = [], []
         if not self.synthetic:
-            train, val = read_manifest(source)
-            tokenizer = json.loads((Path(source) / "manifest.json").read_text()).get("tokenizer", {})
-            if tokenizer.get("vocab_size", 0) > vocab_size:   # ids past the embedding: a device-side assert on a GPU
-                raise ValueError(f"{source}: its tokenizer {tokenizer.get('name', '?')} has {tokenizer['vocab_size']} ids but the model's "
-                                 f"vocab_size is {vocab_size}; use a model with vocab_size >= {tokenizer['vocab_size']} (e.g. --vocab-size {tokenizer['vocab_size']})")
+            train, val = read_manifest(source, vocab_size)
             self.train = [TokenFile.open(p, seed) for p in train]
             self.val = [TokenFile.open(p, seed) for p in val]
             self.weights = np.array([len(t) for t in self.train], dtype=np.float64); self.weights /= self.weights.sum()

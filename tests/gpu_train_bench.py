@@ -8,8 +8,8 @@ import argparse, json, subprocess, sys, tempfile, time
 from pathlib import Path
 import statistics as st
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from rtrainer.kernels import save_results
-from rtrainer.profiling import alternation, ratio_interval, tokens_per_s_from_metrics   # the profiling chapter's instruments
+from rtrainer.kernels import save_results, alternation, ratio_interval          # the kernels chapter's paired statistics
+from rtrainer.profiling import tokens_per_s_from_metrics                          # the profiling chapter's throughput reader
 from rtrainer.training import NonFiniteLoss
 
 def run_arm(config, batch, impl, steps, seq_len, extra, data="synthetic"):

@@ -4,9 +4,10 @@ from pathlib import Path
 import pytest, torch
 from rtrainer.model import model_config, parameter_counts, TransformerLm
 from rtrainer.training import NonFiniteLoss
-from rtrainer.profiling import (PHASES, profile_trainer, profile_step, attribute_device_events, ratio_interval, t_quantile_975,
+from rtrainer.profiling import (PHASES, profile_trainer, profile_step, attribute_device_events,
                                 PlainTransformer, PlainAdamW, plain_parameter_counts, check_parameter_counts, dtype_census,
                                 versus, run_arm, ab, tokens_per_s_from_metrics, changed_rows)
+from rtrainer.kernels import ratio_interval, t_quantile_975   # the paired statistics live in the kernels chapter
 
 SMALL_VOCAB = 512   # keeps the tiny model's lm-head small so every step takes milliseconds on a CPU
 
