@@ -8,7 +8,7 @@ Docs: https://example.invalid/rtrainer/rtrainer/kernels.html.md"""
 __all__ = ['OPS', 'PROJECT_ROOT', 'RESULTS_DIR', 'T_QUANTILE_975', 'INTERPRETING', 'KERNELS_CAN_RUN', 'COPY_CEILING_GBPS',
            'VECADD_BLOCK', 'VECADD_NUM_WARPS', 'TOLERANCE', 'RMS_NORM_BLOCK_ROWS', 'RMS_NORM_NUM_WARPS',
            'RMS_NORM_BACKWARD_PROGRAMS_PER_SM', 'RMS_NORM_BACKWARD_BLOCK_ROWS', 'RMS_NORM_BACKWARD_NUM_WARPS',
-           'RMS_NORM_BACKWARD_NUM_STAGES', 'RMS_NORM_MAX_COLS', 'OP_EXAMPLES', 'SCALES', 'ROPE_BLOCK_ROWS',
+           'RMS_NORM_BACKWARD_PREFETCH', 'RMS_NORM_MAX_COLS', 'OP_EXAMPLES', 'SCALES', 'ROPE_BLOCK_ROWS',
            'ROPE_NUM_WARPS', 'SWIGLU_BLOCK', 'SWIGLU_NUM_WARPS', 'EMBEDDING_BLOCK', 'EMBEDDING_NUM_WARPS',
            'EMBEDDING_BACKWARD', 'EMBEDDING_BACKWARDS', 'BENCHMARKS', 'BENCHMARK_COLUMNS', 'register_op',
            'resolve_impl', 'get_op', 'at_least_fp32', 'rms_norm_reference', 'add_rms_norm_reference', 'rope_tables',
@@ -17,16 +17,16 @@ __all__ = ['OPS', 'PROJECT_ROOT', 'RESULTS_DIR', 'T_QUANTILE_975', 'INTERPRETING
            'machine_metadata', 'save_results', 'load_results', 'show_results', 't_quantile_975', 'ratio_interval',
            'spread', 'alternation', 'check_kernel_device', 'vecadd_kernel', 'vecadd', 'relative_error', 'check_close',
            'time_ms', 'benchmark_row', 'bench_vecadd', 'rms_norm_forward_kernel', 'rms_norm_backward_kernel', 'as_rows',
-           'rms_norm_forward', 'rms_norm_backward', 'RMSNormFunction', 'AddRMSNormFunction', 'rms_norm_triton',
-           'add_rms_norm_triton', 'register_op_example', 'run_op_with_grads', 'check_op', 'rope_kernel', 'rope_apply',
-           'RoPEFunction', 'rope_triton', 'swiglu_forward_kernel', 'swiglu_backward_kernel', 'swiglu_forward',
-           'swiglu_backward', 'SwiGLUFunction', 'swiglu_triton', 'embedding_forward_kernel',
-           'embedding_backward_segments_kernel', 'embedding_backward_atomic_kernel', 'embedding_forward',
-           'embedding_backward_deterministic', 'embedding_backward_atomic', 'EmbeddingFunction', 'embedding_triton',
-           'embedding_run_to_run_differences', 'bench_rms_norm', 'bench_add_rms_norm', 'bench_rope', 'bench_swiglu',
-           'bench_embedding', 'register_benchmark', 'benchmark_suite', 'print_table', 'add_doctor_arguments',
-           'run_doctor', 'parse_size', 'add_bench_arguments', 'run_ops_check', 'run_bench', 'kernel_knobs',
-           'parse_variants', 'add_sweep_arguments', 'knob_values', 'run_sweep']
+           'resident_programs', 'rms_norm_forward', 'rms_norm_backward', 'RMSNormFunction', 'AddRMSNormFunction',
+           'rms_norm_triton', 'add_rms_norm_triton', 'register_op_example', 'run_op_with_grads', 'check_op',
+           'rope_kernel', 'rope_apply', 'RoPEFunction', 'rope_triton', 'swiglu_forward_kernel',
+           'swiglu_backward_kernel', 'swiglu_forward', 'swiglu_backward', 'SwiGLUFunction', 'swiglu_triton',
+           'embedding_forward_kernel', 'embedding_backward_segments_kernel', 'embedding_backward_atomic_kernel',
+           'embedding_forward', 'embedding_backward_deterministic', 'embedding_backward_atomic', 'EmbeddingFunction',
+           'embedding_triton', 'embedding_run_to_run_differences', 'bench_rms_norm', 'bench_add_rms_norm', 'bench_rope',
+           'bench_swiglu', 'bench_embedding', 'register_benchmark', 'benchmark_suite', 'print_table',
+           'add_doctor_arguments', 'run_doctor', 'parse_size', 'add_bench_arguments', 'run_ops_check', 'run_bench',
+           'kernel_knobs', 'parse_variants', 'add_sweep_arguments', 'knob_values', 'run_sweep']
 
 # %% ../nbs/01_kernels.ipynb #127953a0
 import datetime, json, math, os, platform, re, statistics, subprocess, sys, time, warnings
@@ -362,10 +362,10 @@ def bench_vecadd(size, dtype=torch.bfloat16, device="cuda", compare_compile=True
 # %% ../nbs/01_kernels.ipynb #ffc07854
 RMS_NORM_BLOCK_ROWS = 2            # rows per forward program (fewer when a block would pass 16384 elements). H200 sweep: 2 rows 93-99% of copy, 1 row 83-93%
 RMS_NORM_NUM_WARPS = 8
-RMS_NORM_BACKWARD_PROGRAMS_PER_SM = 0  # backward programs per SM, each owning a partial weight gradient; 0: fill the SM (64 warps)
+RMS_NORM_BACKWARD_PROGRAMS_PER_SM = 0  # backward programs per SM, each owning a partial weight gradient; 0: as many as fit at once
 RMS_NORM_BACKWARD_BLOCK_ROWS = 1       # rows a backward program loads at once
-RMS_NORM_BACKWARD_NUM_WARPS = 0        # 0: 4 warps for rows up to 4096 wide, 8 beyond
-RMS_NORM_BACKWARD_NUM_STAGES = 3       # software-pipelining depth of the row loop
+RMS_NORM_BACKWARD_NUM_WARPS = 0        # 0: one warp per 512 columns (16 values of a row per thread), 4 to 32 warps; H200 sweep
+RMS_NORM_BACKWARD_PREFETCH = 1         # 1: load the next rows before working on the current ones
 RMS_NORM_MAX_COLS = 65536          # widest row a program holds in registers
 
 @triton.jit
@@ -399,27 +399,42 @@ def rms_norm_backward_kernel(dy_ptr,                   # (rows, D) gradient of t
                              dx_ptr,                   # (rows, D) gradient of the input
                              dweight_partial_ptr,      # (programs, D) fp32: this program's share of dweight
                              n_rows, n_cols, dy_stride, x_stride, dsummed_stride, dx_stride,
-                             HAS_DSUMMED: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+                             HAS_DSUMMED: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+                             PREFETCH: tl.constexpr):
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
+    step = n_programs * BLOCK_ROWS                        # rows from one turn of this program to its next
     cols = tl.arange(0, BLOCK_COLS)
     col_ok = cols < n_cols
     w = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     dweight = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+    rows = (pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)  # 64-bit row offsets
+    if PREFETCH:                                          # the first turn's rows, loaded before the loop
+        mask = (rows < n_rows)[:, None] & col_ok[None, :]
+        x_next = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
+        dy_next = tl.load(dy_ptr + rows[:, None] * dy_stride + cols[None, :], mask=mask, other=0.0)
     for block in range(pid, tl.cdiv(n_rows, BLOCK_ROWS), n_programs):   # this program's blocks of rows
-        rows = (block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)  # 64-bit row offsets
         row_ok = rows < n_rows
         mask = row_ok[:, None] & col_ok[None, :]
-        x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)     # read rows*D
-        dy = tl.load(dy_ptr + rows[:, None] * dy_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)  # read rows*D
+        if PREFETCH:                                      # take the rows loaded last turn, start loading the next
+            x, dy = x_next, dy_next
+            later = rows + step
+            later_mask = (later < n_rows)[:, None] & col_ok[None, :]
+            x_next = tl.load(x_ptr + later[:, None] * x_stride + cols[None, :], mask=later_mask, other=0.0)
+            dy_next = tl.load(dy_ptr + later[:, None] * dy_stride + cols[None, :], mask=later_mask, other=0.0)
+        else:
+            x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)     # read rows*D
+            dy = tl.load(dy_ptr + rows[:, None] * dy_stride + cols[None, :], mask=mask, other=0.0)  # read rows*D
         rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)[:, None]
-        xhat = x * rstd
+        xhat = x.to(tl.float32) * rstd
+        dy = dy.to(tl.float32)
         g = dy * w[None, :]
         dx = (g - xhat * (tl.sum(g * xhat, axis=1) / n_cols)[:, None]) * rstd
         if HAS_DSUMMED:
             dx += tl.load(dsummed_ptr + rows[:, None] * dsummed_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)  # read rows*D
         tl.store(dx_ptr + rows[:, None] * dx_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)  # write rows*D
         dweight += tl.sum(dy * xhat, axis=0)
+        rows += step
     tl.store(dweight_partial_ptr + pid * n_cols + cols, dweight, mask=col_ok)  # write D * 4 bytes per program
 
 # %% ../nbs/01_kernels.ipynb #5bdb1b43
@@ -432,6 +447,17 @@ def as_rows(t):
 def _program_count(n_rows, per_sm, device):
     if device.type == "cuda": return max(1, min(n_rows, per_sm * torch.cuda.get_device_properties(device).multi_processor_count))
     return max(1, min(n_rows, 4))
+
+def resident_programs(compiled, device):
+    "How many programs of a compiled Triton kernel one SM holds at once: the least of its register, thread and shared-memory limits."
+    props = torch.cuda.get_device_properties(device)
+    compiled._init_handles()                                  # loads the binary; sets n_regs
+    warps = compiled.metadata.num_warps
+    registers_per_warp = -(-compiled.n_regs * 32 // 256) * 256   # registers are handed to warps in units of 256
+    limits = [getattr(props, "regs_per_multiprocessor", 65536) // (registers_per_warp * warps),
+              getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)]
+    if compiled.metadata.shared: limits.append(props.shared_memory_per_multiprocessor // compiled.metadata.shared)
+    return max(1, min(limits))
 
 def rms_norm_forward(x, weight, eps=1e-5, residual=None, out=None, summed=None):
     "Launch the forward: returns (normalized, summed or None, rstd); `out`/`summed` may be given."
@@ -457,6 +483,8 @@ def rms_norm_forward(x, weight, eps=1e-5, residual=None, out=None, summed=None):
         num_warps=RMS_NORM_NUM_WARPS)
     return out, (summed if residual is not None else None), rstd
 
+_RESIDENT = {}   # (device, dtype, launch settings) -> backward programs per SM
+
 def rms_norm_backward(dy, x, weight, rstd, dsummed=None, dx=None):
     "Launch the backward: returns (dx in x's dtype, dweight fp32); adds `dsummed` into dx when given."
     D = x.shape[-1]
@@ -465,13 +493,20 @@ def rms_norm_backward(dy, x, weight, rstd, dsummed=None, dx=None):
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if dx is None else dx
     dx2 = dx.view(-1, D)
     block_cols = triton.next_power_of_2(D)
-    warps = RMS_NORM_BACKWARD_NUM_WARPS or (4 if block_cols <= 4096 else 8)
-    n_programs = _program_count(triton.cdiv(n_rows, RMS_NORM_BACKWARD_BLOCK_ROWS), RMS_NORM_BACKWARD_PROGRAMS_PER_SM or 64 // warps, x.device)
+    warps = RMS_NORM_BACKWARD_NUM_WARPS or min(32, max(4, block_cols // 512))
+    launch = dict(HAS_DSUMMED=dsummed is not None, BLOCK_ROWS=RMS_NORM_BACKWARD_BLOCK_ROWS, BLOCK_COLS=block_cols,
+                  PREFETCH=bool(RMS_NORM_BACKWARD_PREFETCH), num_warps=warps)
+    args = lambda partial: (dy2, x2, weight, rstd, ds2, dx2, partial, n_rows, D, dy2.stride(0), x2.stride(0), ds2.stride(0), dx2.stride(0))
+    per_sm = RMS_NORM_BACKWARD_PROGRAMS_PER_SM
+    if not per_sm and x.device.type == "cuda":               # as many programs as fit on an SM at once, measured on the compiled kernel
+        key = (x.device, x.dtype, tuple(launch.items()))
+        if key not in _RESIDENT:
+            compiled = rms_norm_backward_kernel.warmup(*args(torch.empty(1, D, dtype=torch.float32, device=x.device)), grid=(1,), **launch)
+            _RESIDENT[key] = resident_programs(compiled, x.device)
+        per_sm = _RESIDENT[key]
+    n_programs = _program_count(triton.cdiv(n_rows, RMS_NORM_BACKWARD_BLOCK_ROWS), per_sm or 1, x.device)
     partial = torch.empty(n_programs, D, dtype=torch.float32, device=x.device)
-    rms_norm_backward_kernel[(n_programs,)](
-        dy2, x2, weight, rstd, ds2, dx2, partial, n_rows, D, dy2.stride(0), x2.stride(0), ds2.stride(0), dx2.stride(0),
-        HAS_DSUMMED=dsummed is not None, BLOCK_ROWS=RMS_NORM_BACKWARD_BLOCK_ROWS, BLOCK_COLS=block_cols,
-        num_warps=warps, num_stages=RMS_NORM_BACKWARD_NUM_STAGES)
+    rms_norm_backward_kernel[(n_programs,)](*args(partial), **launch)
     return dx, partial.sum(0)
 
 # %% ../nbs/01_kernels.ipynb #e4566f00

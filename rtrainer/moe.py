@@ -11,11 +11,11 @@ __all__ = ['GROUPED_GEMM_BLOCK_M', 'ROW_BLOCK', 'EXPERT_GEMM', 'EXPERT_WEIGHT_GR
            'capacity_moe_reference', 'dropless_moe_reference', 'grouped_gemm_kernel', 'grouped_gemm_weight_grad_kernel',
            'grouped_gemm_triton', 'grouped_gemm_weight_grad_triton', 'grouped_gemm_reference', 'gather_rows_kernel',
            'combine_rows_kernel', 'gather_rows_triton', 'combine_rows_triton', 'library_support', 'ExpertBackends',
-           'expert_backends', 'grouped_gemm_library', 'grouped_gemm_weight_grad_library', 'RoutingPlan',
-           'capacity_plan', 'dropless_plan', 'MoeExperts', 'moe_experts_triton', 'MoeFeedForward',
-           'moe_parameter_count', 'naive_moe_loop', 'check_moe_against_loop', 'compare_triton_to_torch',
-           'check_empty_expert', 'saved_tensor_bytes', 'expert_saved_bytes', 'accumulation_gradients',
-           'benchmark_suite']
+           'expert_backends', 'grouped_gemm_library', 'grouped_gemm_weight_grad_library', 'grouped_gemm_per_expert',
+           'grouped_gemm_weight_grad_per_expert', 'RoutingPlan', 'capacity_plan', 'dropless_plan', 'host_group_bounds',
+           'MoeExperts', 'moe_experts_triton', 'MoeFeedForward', 'moe_parameter_count', 'naive_moe_loop',
+           'check_moe_against_loop', 'compare_triton_to_torch', 'check_empty_expert', 'saved_tensor_bytes',
+           'expert_saved_bytes', 'accumulation_gradients', 'benchmark_suite']
 
 # %% ../nbs/03_moe.ipynb #d120d79d
 import math, os, sys, time
@@ -332,9 +332,9 @@ def combine_rows_triton(src, assignment_rows, weights=None, out_dtype=None):
     return out
 
 # %% ../nbs/03_moe.ipynb #98d4d899
-EXPERT_GEMM = "auto"          # expert forward and input-gradient GEMMs: "triton" | "library" | "auto"
-EXPERT_WEIGHT_GRAD = "auto"   # expert weight gradients into main_grad: "triton" (fp32 kernel) | "library" | "auto"
-EXPERT_BACKENDS = ("triton", "library", "auto")
+EXPERT_GEMM = "auto"          # expert forward and input-gradient GEMMs: "triton" | "library" | "per_expert" | "auto"
+EXPERT_WEIGHT_GRAD = "auto"   # expert weight gradients into main_grad: "triton" (fp32 kernel) | "library" | "per_expert" | "auto"
+EXPERT_BACKENDS = ("triton", "library", "per_expert", "auto")   # per_expert: one library call per expert, sizes on the host
 
 MOE_KNOBS = sys.modules[__name__]   # this module (or notebook): knob_values(MOE_KNOBS, {"EXPERT_GEMM": "library"}) switches the backend for a block
 
@@ -361,7 +361,7 @@ def library_support(device):
     return _library_support[device]
 
 class ExpertBackends(NamedTuple):
-    "What the expert GEMMs run on: 'triton' or 'library' for each, and how the weight gradient reaches main_grad."
+    "What the expert GEMMs run on: 'triton', 'library' or 'per_expert' for each, and how the weight gradient reaches main_grad."
     gemm: str
     weight_grad: str
     weight_grad_note: str
@@ -376,15 +376,20 @@ def expert_backends(dtype, device, uniform_groups, strides_aligned=True):
     if library_runs and not uniform_groups and not strides_aligned:
         library_runs, why_not = False, "torch._grouped_mm needs row strides that are multiples of 16 bytes"
     gemm = EXPERT_GEMM
-    if gemm == "auto": gemm = "library" if device.type == "cuda" and dtype == torch.bfloat16 and library_runs else "triton"
-    op = "bmm" if uniform_groups else "_grouped_mm"
-    fp32_ok, fp32_why_not = (True, "") if dtype == torch.float32 else support["bmm_fp32_out" if uniform_groups else "grouped_mm_fp32_out"]
+    if gemm == "auto":   # H200, moe4b layer: bmm for capacity groups; one cuBLAS call per expert beat _grouped_mm for dropless
+        gemm = ("library" if uniform_groups else "per_expert") if device.type == "cuda" and dtype == torch.bfloat16 else "triton"
+    library_op = "bmm" if uniform_groups else "_grouped_mm"
+    def fp32_output(backend):   # (its weight gradient is written in fp32, why not); per_expert runs bmm on every group
+        if dtype == torch.float32: return True, ""
+        return support["grouped_mm_fp32_out" if backend == "library" and not uniform_groups else "bmm_fp32_out"]
     weight_grad = EXPERT_WEIGHT_GRAD
-    if weight_grad == "auto": weight_grad = "library" if gemm == "library" and fp32_ok else "triton"
+    if weight_grad == "auto": weight_grad = gemm if gemm != "triton" and fp32_output(gemm)[0] else "triton"
     if "library" in (gemm, weight_grad) and not library_runs:
-        raise ValueError(f"moe: the library backend was asked for but {op} cannot serve these groups here: {why_not}")
-    if weight_grad == "triton": note = "Triton kernel, fp32 into main_grad"
-    elif fp32_ok: note = f"{op}, fp32 into main_grad"
+        raise ValueError(f"moe: the library backend was asked for but {library_op} cannot serve these groups here: {why_not}")
+    if weight_grad == "triton": return ExpertBackends(gemm, weight_grad, "Triton kernel, fp32 into main_grad")
+    op = "bmm per expert (group sizes read on the host)" if weight_grad == "per_expert" else library_op
+    fp32_ok, fp32_why_not = fp32_output(weight_grad)
+    if fp32_ok: note = f"{op}, fp32 into main_grad"
     else: note = f"{op} in {str(dtype).removeprefix('torch.')}, added to fp32 main_grad (fp32 output refused: {fp32_why_not})"
     return ExpertBackends(gemm, weight_grad, note)
 
@@ -412,6 +417,31 @@ def grouped_gemm_weight_grad_library(rows, grad_out, group_starts, group_ends, o
         if rows.is_cuda and torch.cuda.get_device_capability(rows.device)[0] != 9:     # empty groups: see the prose
             grad = torch.where((group_ends > group_starts)[:, None, None], grad, grad.new_zeros(()))
     return out.add_(grad) if accumulate else out.copy_(grad)
+
+def grouped_gemm_per_expert(rows, weight, group_bounds, out=None):
+    "rows @ weight[g] for the rows group_bounds[g]..group_bounds[g+1] (host ints), one torch.mm per non-empty group; (R, N)."
+    out = torch.empty(rows.shape[0], weight.shape[-1], dtype=rows.dtype, device=rows.device) if out is None else out
+    for g, (lo, hi) in enumerate(zip(group_bounds[:-1], group_bounds[1:])):
+        if hi > lo: torch.mm(rows[lo:hi], weight[g], out=out[lo:hi])       # (n_g, K) @ (K, N) into a view of out
+    return out
+
+def grouped_gemm_weight_grad_per_expert(rows, grad_out, group_bounds, out, accumulate=False):
+    "out[g] (fp32, (G, K, N)) = (or +=) rows[group g]^T @ grad_out[group g], one bmm per group; empty: zero, or left as is."
+    fp32_out = rows.dtype in (torch.bfloat16, torch.float16) and library_support(rows.device)["bmm_fp32_out"][0]
+    for g, (lo, hi) in enumerate(zip(group_bounds[:-1], group_bounds[1:])):
+        dw = out[g:g + 1]                                                      # (1, K, N) view of out
+        if hi == lo:
+            if not accumulate: dw.zero_()                                      # an expert without rows: zero gradient
+            continue
+        a, b = rows[lo:hi].T[None], grad_out[lo:hi][None]                      # (1, K, n_g), (1, n_g, N)
+        if rows.dtype == out.dtype: dw.baddbmm_(a, b) if accumulate else torch.bmm(a, b, out=dw)
+        elif fp32_out:
+            if accumulate: torch.baddbmm(dw, a, b, out_dtype=torch.float32, out=dw)
+            else: torch.bmm(a, b, out_dtype=torch.float32, out=dw)
+        else:
+            grad = torch.bmm(a, b)                                             # operands' dtype, then into out's
+            dw.add_(grad) if accumulate else dw.copy_(grad)
+    return out
 
 # %% ../nbs/03_moe.ipynb #af3b50d9
 @dataclass
@@ -454,18 +484,26 @@ def dropless_plan(top_experts, n_experts):
                        group_starts=starts.to(torch.int32), group_ends=ends.to(torch.int32),
                        dropped_fraction=torch.zeros((), device=flat.device))
 
+def host_group_bounds(plan):
+    "The E+1 row boundaries of the plan's groups as Python ints: from C under capacity, else read from the device (a sync)."
+    if plan.capacity: return [e * plan.capacity for e in range(plan.group_starts.shape[0] + 1)]
+    return torch.cat([plan.group_starts[:1], plan.group_ends]).tolist()   # groups are contiguous: start[e+1] == end[e]
+
 RECOMPUTE_IN_BACKWARD = True   # keep x and hidden; rebuild the permuted rows and the SwiGLU output in backward
 
-def _expert_gemm(rows, weight, plan, backends, block_m):
+def _expert_gemm(rows, weight, plan, backends, block_m, group_bounds=None):
     if backends.gemm == "library": return grouped_gemm_library(rows, weight, plan.group_starts, plan.group_ends, plan.capacity)
+    if backends.gemm == "per_expert": return grouped_gemm_per_expert(rows, weight, group_bounds)
     return grouped_gemm_triton(rows, weight, plan.group_starts, plan.group_ends, block_m)
 
-def _expert_weight_grad(rows, grad_out, weight, plan, backends, write_main_grad):
+def _expert_weight_grad(rows, grad_out, weight, plan, backends, write_main_grad, group_bounds=None):
     "Write (or accumulate) weight's fp32 gradient into weight.main_grad and return None, or return it in weight's dtype."
     if write_main_grad: buf, overwrite = main_grad_for_write(weight)
     else: buf, overwrite = torch.empty(weight.shape, dtype=torch.float32, device=weight.device), True
     if backends.weight_grad == "library":
         grouped_gemm_weight_grad_library(rows, grad_out, plan.group_starts, plan.group_ends, buf, not overwrite, plan.capacity)
+    elif backends.weight_grad == "per_expert":
+        grouped_gemm_weight_grad_per_expert(rows, grad_out, group_bounds, buf, accumulate=not overwrite)
     else:
         grouped_gemm_weight_grad_triton(rows, grad_out, plan.group_starts, plan.group_ends, out=buf, accumulate=not overwrite)
     if write_main_grad:
@@ -477,10 +515,12 @@ class MoeExperts(torch.autograd.Function):
     "y[t] = sum_j w[t, j] * SwiGLU expert(x[t]); saves x, hidden and expert_out, rebuilds the rest in backward."
     @staticmethod
     def forward(ctx, x, top_weights, gate_up, down, plan, backends, block_m, write_main_grad):
+        per_expert = "per_expert" in (backends.gemm, backends.weight_grad)
+        bounds = host_group_bounds(plan) if per_expert else None               # dropless: the layer's one host sync
         rows = gather_rows_triton(x, plan.row_token)[0]                        # (R, D) token rows grouped by expert
-        hidden = _expert_gemm(rows, gate_up, plan, backends, block_m)          # (R, 2FF)
+        hidden = _expert_gemm(rows, gate_up, plan, backends, block_m, bounds)  # (R, 2FF)
         act = swiglu_forward(hidden)                                           # (R, FF)
-        expert_out = _expert_gemm(act, down, plan, backends, block_m)          # (R, D)
+        expert_out = _expert_gemm(act, down, plan, backends, block_m, bounds)  # (R, D)
         weights = top_weights.contiguous()                                     # (N, k) fp32
         y = combine_rows_triton(expert_out, plan.assignment_rows, weights)     # (N, D)
         kept = () if RECOMPUTE_IN_BACKWARD else (rows, act)
@@ -488,6 +528,7 @@ class MoeExperts(torch.autograd.Function):
                               plan.group_starts, plan.group_ends, *kept)
         ctx.gate_up, ctx.down, ctx.capacity = gate_up, down, plan.capacity
         ctx.backends, ctx.block_m, ctx.write_main_grad = backends, block_m, write_main_grad
+        ctx.group_bounds = bounds                                              # the backward reuses them: no second sync
         return y
 
     @staticmethod
@@ -495,7 +536,7 @@ class MoeExperts(torch.autograd.Function):
         x, weights, hidden, expert_out, *index = ctx.saved_tensors[:9]
         kept = ctx.saved_tensors[9:]
         plan = RoutingPlan(*index, dropped_fraction=None, capacity=ctx.capacity)
-        gate_up, down, backends, block_m = ctx.gate_up, ctx.down, ctx.backends, ctx.block_m
+        gate_up, down, backends, block_m, bounds = ctx.gate_up, ctx.down, ctx.backends, ctx.block_m, ctx.group_bounds
         N, top_k = weights.shape
         # 1. combine: d_out[r] = w * dy[token of r], and <dy[t], expert_out[r]> for the routing weight, in one pass
         valid = plan.row_assignment >= 0
@@ -506,25 +547,27 @@ class MoeExperts(torch.autograd.Function):
         grad_weights.scatter_(0, torch.where(valid, plan.row_assignment, N * top_k), dot)   # unused rows -> dummy slot
         # 2. down: weight gradient from the rebuilt SwiGLU output, then the gradient of that output
         act = kept[1] if kept else swiglu_forward(hidden)                      # (R, FF) the forward's bits again
-        grad_down = _expert_weight_grad(act, grad_out, down, plan, backends, ctx.write_main_grad) if ctx.needs_input_grad[3] else None
+        grad_down = (_expert_weight_grad(act, grad_out, down, plan, backends, ctx.write_main_grad, bounds)
+                     if ctx.needs_input_grad[3] else None)
         del act
-        grad_act = _expert_gemm(grad_out, down.transpose(1, 2), plan, backends, block_m)   # (R, FF)
+        grad_act = _expert_gemm(grad_out, down.transpose(1, 2), plan, backends, block_m, bounds)   # (R, FF)
         del grad_out
         # 3. SwiGLU
         grad_hidden = swiglu_backward(grad_act, hidden)                         # (R, 2FF)
         del grad_act
         # 4. gate_up: weight gradient from the rows gathered again, then the rows' gradient
         rows = kept[0] if kept else gather_rows_triton(x, plan.row_token)[0]   # (R, D)
-        grad_gate_up = _expert_weight_grad(rows, grad_hidden, gate_up, plan, backends, ctx.write_main_grad) if ctx.needs_input_grad[2] else None
+        grad_gate_up = (_expert_weight_grad(rows, grad_hidden, gate_up, plan, backends, ctx.write_main_grad, bounds)
+                        if ctx.needs_input_grad[2] else None)
         del rows
-        grad_rows = _expert_gemm(grad_hidden, gate_up.transpose(1, 2), plan, backends, block_m)   # (R, D)
+        grad_rows = _expert_gemm(grad_hidden, gate_up.transpose(1, 2), plan, backends, block_m, bounds)   # (R, D)
         del grad_hidden
         # 5. permute: each token sums the gradients of its k rows
         grad_x = combine_rows_triton(grad_rows, plan.assignment_rows)          # (N, D)
         return grad_x, grad_weights[:-1].view(N, top_k).to(weights.dtype), grad_gate_up, grad_down, None, None, None, None
 
 def moe_experts_triton(x, top_weights, plan, gate_up, down, block_m=None, write_main_grad=True):
-    "Permute, SwiGLU experts on grouped GEMMs (Triton or library: EXPERT_GEMM), un-permute and combine; y (N, D)."
+    "Permute, SwiGLU experts on grouped GEMMs (Triton, library or per expert: EXPERT_GEMM), un-permute and combine; y (N, D)."
     strides_aligned = all(n * x.element_size() % 16 == 0 for n in (gate_up.shape[1], down.shape[1]))   # D and FF
     backends = expert_backends(x.dtype, x.device, uniform_groups=plan.capacity > 0, strides_aligned=strides_aligned)
     return MoeExperts.apply(x, top_weights, gate_up, down, plan, backends, block_m, write_main_grad)
@@ -726,6 +769,7 @@ BENCHMARK_ARMS = {   # arm: (dispatch, impl, knobs); the first arm is compiled, 
     "library capacity": ("capacity", "triton", {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "auto"}),
     "library dropless": ("dropless", "triton", {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "auto"}),
     "library dropless, grouped_mm weight grad": ("dropless", "triton", {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "library"}),
+    "per-expert dropless": ("dropless", "triton", {"EXPERT_GEMM": "per_expert", "EXPERT_WEIGHT_GRAD": "per_expert"}),
 }
 
 def _moe_layer_step(layer, x, grad_y, params):
@@ -804,5 +848,6 @@ def benchmark_suite(quick=False, rounds=5):
     return save_results("moe" if not quick else "moe_quick", rows, max_load_over_mean=max_load, dropped_fraction_capacity=dropped,
                         dropless_over_capacity_time=by_arm["triton dropless"]["ms"] / by_arm["triton capacity"]["ms"],
                         library_dropless_over_capacity_time=by_arm["library dropless"]["ms"] / by_arm["library capacity"]["ms"],
+                        per_expert_dropless_over_capacity_time=by_arm["per-expert dropless"]["ms"] / by_arm["library capacity"]["ms"],
                         auto_picks=auto_picks, library_support={op: list(v) for op, v in library_support(dev).items()},
                         recompute_in_backward=RECOMPUTE_IN_BACKWARD, rounds=rounds)

@@ -28,12 +28,14 @@ def test_op_parity_forward_backward(name, dtype):
 
 @needs_kernels
 @pytest.mark.parametrize("shape", [(3, 5, 77), (7, 5), (2, 130), (41, 77)])  # 41 rows: several row blocks per backward program, the last one partial
-def test_rms_norm_shapes_and_poison(shape):
+@pytest.mark.parametrize("backward", [dict(RMS_NORM_BACKWARD_PREFETCH=1), dict(RMS_NORM_BACKWARD_PREFETCH=0),
+                                      dict(RMS_NORM_BACKWARD_PREFETCH=1, RMS_NORM_BACKWARD_BLOCK_ROWS=2)])
+def test_rms_norm_shapes_and_poison(shape, backward):
     x, w = torch.randn(*shape), torch.rand(shape[-1]) + 0.5
     y, _, rstd = K.rms_norm_forward(x, w, out=torch.full_like(x, nan))
     K.check_close(f"rms_norm {shape}", y, K.rms_norm_reference(x.double(), w.double()), 1e-5)
     dy = torch.randn_like(x)
-    dx, dw = K.rms_norm_backward(dy, x, w, rstd, dx=torch.full_like(x, nan))
+    with K.knob_values(K, backward): dx, dw = K.rms_norm_backward(dy, x, w, rstd, dx=torch.full_like(x, nan))
     xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
     K.rms_norm_reference(xd, wd).backward(dy.double())
     K.check_close("rms_norm dx", dx, xd.grad, 1e-5)

@@ -30,7 +30,8 @@ def test_vecadd_poisoned(n):
     K.check_close(f"vecadd {n}", out, a.double() + b.double(), 1e-2)
 
 @pytest.mark.parametrize("shape", [(4096, 3072), (1000, 2048), (333, 8192), (517, 1000)])
-def test_rms_norm_bf16_poisoned(shape):
+@pytest.mark.parametrize("backward", [{}, dict(RMS_NORM_BACKWARD_PREFETCH=0), dict(RMS_NORM_BACKWARD_BLOCK_ROWS=2, RMS_NORM_BACKWARD_NUM_WARPS=32)])
+def test_rms_norm_bf16_poisoned(shape, backward):
     x = torch.randn(*shape, device="cuda", dtype=bf16)
     r = torch.randn_like(x)
     w = torch.rand(shape[-1], device="cuda") + 0.5
@@ -41,7 +42,7 @@ def test_rms_norm_bf16_poisoned(shape):
     K.check_close("add_rms_norm summed", s2, ref_sum, 1e-2)
     K.check_close("add_rms_norm normed", y2, K.rms_norm_reference(ref_sum.double(), w.double()), 1e-2)
     dy, ds = torch.randn_like(x), torch.randn_like(x)
-    dx, dw = K.rms_norm_backward(dy, s2, w, rstd2, dsummed=ds, dx=torch.full_like(x, nan))
+    with K.knob_values(K, backward): dx, dw = K.rms_norm_backward(dy, s2, w, rstd2, dsummed=ds, dx=torch.full_like(x, nan))
     sd, wd = s2.double().requires_grad_(), w.double().requires_grad_()
     K.rms_norm_reference(sd, wd).backward(dy.double())
     K.check_close("add_rms_norm dx", dx, sd.grad + ds.double(), 1e-2)
@@ -116,3 +117,16 @@ def test_median_ms_times_the_device_not_the_host():
     fast, slow = median_ms(copy), median_ms(slow_host_copy)
     print(f"copy {fast:.4f} ms, with 2 ms of host work per call {slow:.4f} ms")
     assert 0.05 < fast < 1.0 and slow < 1.3 * fast + 0.02
+
+def test_resident_programs_reads_the_compiled_kernel():
+    "Occupancy from the compiled kernel: a light 4-warp kernel is thread-bound (2048 threads per SM), a register-heavy one fewer."
+    a = torch.randn(4096, device="cuda")
+    light = K.vecadd_kernel.warmup(a, a, a, a.numel(), BLOCK=1024, num_warps=4, grid=(1,))
+    props = torch.cuda.get_device_properties(0)
+    assert K.resident_programs(light, a.device) == props.max_threads_per_multi_processor // 128
+    x = torch.randn(64, 4096, device="cuda", dtype=bf16); w = torch.rand(4096, device="cuda") + 0.5
+    K._RESIDENT.clear()
+    y, _, rstd = K.rms_norm_forward(x, w)
+    with K.knob_values(K, dict(RMS_NORM_BACKWARD_NUM_WARPS=4)): K.rms_norm_backward(torch.randn_like(x), x, w, rstd)
+    (per_sm,) = K._RESIDENT.values()
+    assert 1 <= per_sm < 16, per_sm   # 4 warps over 4096 columns hold 32 values of each row per thread: registers bind first

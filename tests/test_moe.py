@@ -9,7 +9,8 @@ from rtrainer.moe import (MoeFeedForward, route_tokens, load_balance_loss, load_
                           gather_rows_triton, combine_rows_triton, naive_moe_loop, check_moe_against_loop,
                           compare_triton_to_torch, moe_parameter_count, accumulation_gradients, grouped_gemm_library,
                           grouped_gemm_weight_grad_library, library_support, expert_backends, check_empty_expert,
-                          saved_tensor_bytes, expert_saved_bytes, moe_experts_triton)
+                          saved_tensor_bytes, expert_saved_bytes, moe_experts_triton, grouped_gemm_per_expert,
+                          grouped_gemm_weight_grad_per_expert, host_group_bounds)
 import rtrainer.moe as moe
 from rtrainer.kernels import KERNELS_CAN_RUN, knob_values, start_gradient_step, gradient_fp32
 
@@ -258,6 +259,54 @@ def test_expert_backends_resolve_and_validate():
     for knob in ("EXPERT_GEMM", "EXPERT_WEIGHT_GRAD"):
         with knob_values(moe, {knob: "cublas"}), pytest.raises(ValueError): expert_backends(torch.float32, "cpu", True)
 
+def test_per_expert_backend_resolves():
+    for dtype in (torch.float32, torch.bfloat16):                                      # on a CPU auto never picks per_expert
+        for uniform in (True, False): assert "per_expert" not in expert_backends(dtype, "cpu", uniform)[:2]
+    with knob_values(moe, {"EXPERT_GEMM": "per_expert"}):                              # runs anywhere, both dispatches
+        for uniform in (True, False):
+            b = expert_backends(torch.float32, "cpu", uniform, strides_aligned=False)
+            assert b == ("per_expert", "per_expert", "bmm per expert (group sizes read on the host), fp32 into main_grad"), b
+        b = expert_backends(torch.bfloat16, "cpu", False)        # no bmm(out_dtype=) on a CPU: auto keeps the Triton kernel
+        assert b.weight_grad == ("per_expert" if library_support("cpu")["bmm_fp32_out"][0] else "triton"), b
+    with knob_values(moe, {"EXPERT_GEMM": "triton", "EXPERT_WEIGHT_GRAD": "per_expert"}):
+        note = expert_backends(torch.bfloat16, "cpu", False).weight_grad_note
+        assert note.startswith("bmm per expert") and ("refused" in note) != library_support("cpu")["bmm_fp32_out"][0], note
+
+@pytest.mark.parametrize("sizes", [[5, 0, 37, 16, 0, 1, 20], [0, 0, 3], [33], [17, 17, 0], [0, 61, 1, 0, 0, 2, 0, 0]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_per_expert_gemms_match_float64(sizes, dtype):
+    torch.manual_seed(len(sizes))
+    bounds = [0] + torch.tensor(sizes).cumsum(0).tolist()
+    starts, ends = torch.tensor(bounds[:-1]), torch.tensor(bounds[1:])
+    R, K, N, G = bounds[-1], 24, 40, len(sizes)
+    a, w, dc = torch.randn(R, K, dtype=dtype), torch.randn(G, K, N, dtype=dtype), torch.randn(R, N, dtype=dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    y = grouped_gemm_per_expert(a, w, bounds)
+    if R: assert y.dtype == dtype and rel(y, grouped_gemm_reference(a.double(), w.double(), starts, ends)) < tol
+    da = grouped_gemm_per_expert(dc, w.transpose(1, 2), bounds)                      # a view, as the backward passes it
+    if R: assert rel(da, grouped_gemm_reference(dc.double(), w.double().transpose(1, 2), starts, ends)) < tol
+    dw = torch.full((G, K, N), float("nan"))                                           # fp32, like main_grad
+    grouped_gemm_weight_grad_per_expert(a, dc, bounds, dw)
+    dw_want = torch.stack([a[s:e].double().T @ dc[s:e].double() for s, e in zip(bounds[:-1], bounds[1:])])
+    assert not dw.isnan().any()
+    for g, n in enumerate(sizes):
+        if n == 0: assert dw[g].abs().max() == 0                                      # empty group: zero, written
+    assert rel(dw, dw_want) < 1e-6
+    grouped_gemm_weight_grad_per_expert(a, dc, bounds, dw, accumulate=True)
+    assert rel(dw, 2 * dw_want) < 1e-6
+    for g, n in enumerate(sizes):
+        if n == 0: assert dw[g].abs().max() == 0                                      # accumulating leaves it alone
+    sevens = torch.full((G, K, N), 7.0)
+    grouped_gemm_weight_grad_per_expert(a, dc, bounds, sevens, accumulate=True)        # an empty group: skipped, not zeroed
+    assert rel(sevens, 7 + dw_want) < 1e-6
+    for g, n in enumerate(sizes):
+        if n == 0: assert (sevens[g] == 7).all()
+
+def test_host_group_bounds():
+    experts = torch.tensor([[2, 0], [2, 4], [0, 2], [4, 2], [2, 0]])                 # expert 1 and 3: no rows
+    assert host_group_bounds(dropless_plan(experts, 5)) == [0, 3, 3, 8, 8, 10]
+    assert host_group_bounds(capacity_plan(experts, 5, 1.0)) == [0, 2, 4, 6, 8, 10]   # from C: no copy to the host
+
 @needs_kernels
 @pytest.mark.parametrize("dispatch,capacity_factor,weight_grad", [("capacity", 0.8, "library"), ("capacity", 1.3, "triton"),
                                                                   ("dropless", 1.0, "library"), ("dropless", 1.0, "triton")])
@@ -269,7 +318,74 @@ def test_library_layer_matches_float64_reference(dispatch, capacity_factor, weig
     assert max(errors.values()) < 1e-4, errors
 
 @needs_kernels
-@pytest.mark.parametrize("backend", ["triton", "library"])
+@pytest.mark.parametrize("dispatch,capacity_factor,shared,top_k", [("dropless", 1.0, 8, 2), ("dropless", 1.0, 0, 3),
+                                                                     ("dropless", 1.0, 0, 1), ("capacity", 0.8, 0, 2)])
+def test_per_expert_layer_matches_float64_reference(dispatch, capacity_factor, shared, top_k):
+    with knob_values(moe, {"EXPERT_GEMM": "per_expert", "EXPERT_WEIGHT_GRAD": "per_expert"}):
+        errors = compare_triton_to_torch(20, 24, 5, top_k, 37, dispatch, capacity_factor, shared_expert_d_ff=shared,
+                                         device=DEVICE, block_m=16, seed=top_k)
+    print(dispatch, top_k, errors)
+    assert errors.pop("router") < (1e-3 if top_k == 1 else 1e-4), errors        # top_k = 1: see the Triton test above
+    assert max(errors.values()) < 1e-4, errors
+
+def _uneven_routing(N, E, k, seed):
+    "top_experts (N, k) where expert 0 takes most assignments, the last expert none, the others a few."
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(N, E, generator=g) + torch.tensor([4.0] + [0.0] * (E - 2) + [-1e9])
+    return logits.topk(k, dim=-1).indices
+
+@needs_kernels
+@pytest.mark.parametrize("gemm,weight_grad", [("per_expert", "per_expert"), ("triton", "per_expert"), ("per_expert", "triton")])
+def test_per_expert_uneven_groups_overwrite_and_accumulate(gemm, weight_grad):
+    "Very uneven dropless groups with an empty expert: y and every gradient vs float64, main_grad written then accumulated."
+    torch.manual_seed(8)
+    N, D, FF, E, k = 41, 20, 24, 6, 2
+    top_experts = _uneven_routing(N, E, k, seed=8)
+    sizes = torch.bincount(top_experts.flatten(), minlength=E).tolist()
+    assert sizes[-1] == 0 and sizes[0] == N and max(sizes[1:]) < N, sizes
+    x64 = torch.randn(N, D, dtype=torch.float64).float().double().requires_grad_()    # values fp32 holds exactly
+    w64 = torch.rand(N, k, dtype=torch.float64).float().double().requires_grad_()
+    gate_up64 = (0.3 * torch.randn(E, D, 2 * FF, dtype=torch.float64)).float().double().requires_grad_()
+    down64 = (0.3 * torch.randn(E, FF, D, dtype=torch.float64)).float().double().requires_grad_()
+    probes = [torch.randn(N, D, dtype=torch.float64) for _ in range(2)]
+    x, w = x64.detach().float().requires_grad_(), w64.detach().float().requires_grad_()
+    gate_up, down = torch.nn.Parameter(gate_up64.detach().float()), torch.nn.Parameter(down64.detach().float())
+    for p in (gate_up, down): p.main_grad = torch.full(p.shape, float("nan"))
+    start_gradient_step([gate_up, down])
+    plan = dropless_plan(top_experts, E)
+    with knob_values(moe, {"EXPERT_GEMM": gemm, "EXPERT_WEIGHT_GRAD": weight_grad}):
+        for i, probe in enumerate(probes):                                             # micro-batch 0 writes, 1 accumulates
+            y = moe_experts_triton(x, w, plan, gate_up, down, block_m=16)
+            (y.double() * probe).sum().backward()
+            y64, _ = dropless_moe_reference(x64, top_experts, w64, gate_up64, down64)
+            (y64 * probe).sum().backward()
+            assert rel(y, y64) < 1e-5
+            for got, want in [(x.grad, x64.grad), (w.grad, w64.grad), (gradient_fp32(gate_up), gate_up64.grad),
+                              (gradient_fp32(down), down64.grad)]:
+                assert rel(got, want) < 1e-5, (i, rel(got, want))
+            assert gradient_fp32(gate_up)[-1].abs().max() == 0 and gradient_fp32(down)[-1].abs().max() == 0
+
+@needs_kernels
+def test_per_expert_reads_the_bounds_once_per_forward(monkeypatch):
+    "One host_group_bounds call in the forward, none in the backward; none at all for the other backends."
+    calls = []
+    real = moe.host_group_bounds
+    monkeypatch.setattr(moe, "host_group_bounds", lambda plan: calls.append(1) or real(plan))
+    torch.manual_seed(9)
+    layer = MoeFeedForward(16, 8, 4, 2, dispatch="dropless", impl="triton", device=DEVICE)
+    layer.grouped_gemm_block_m = 16
+    x = torch.randn(13, 16, device=DEVICE, requires_grad=True)
+    for backend, want in [("per_expert", 1), ("triton", 0)]:
+        calls.clear()
+        with knob_values(moe, {"EXPERT_GEMM": backend, "EXPERT_WEIGHT_GRAD": backend}):
+            start_gradient_step(layer.parameters())
+            y = layer(x)
+            assert len(calls) == want, (backend, calls)
+            y.sum().backward()
+        assert len(calls) == want, (backend, calls)
+
+@needs_kernels
+@pytest.mark.parametrize("backend", ["triton", "library", "per_expert"])
 def test_empty_expert_gets_zero_gradient(backend):
     if backend == "library" and not GROUPED_MM_ON_CPU: pytest.skip("torch._grouped_mm does not run on this CPU")
     with knob_values(moe, {"EXPERT_GEMM": backend, "EXPERT_WEIGHT_GRAD": backend}):

@@ -1,9 +1,11 @@
-"GPU checks of the MoE chapter: bf16 Triton and library layers vs a float64 reference, fp32 parity, kernel timings run by benchmark_suite."
+"GPU checks of the MoE chapter: bf16 Triton, library and per-expert layers vs a float64 reference, fp32 parity, kernel timings run by benchmark_suite."
+import warnings
 import pytest, torch
 import rtrainer.moe as moe
 from rtrainer.moe import (MoeFeedForward, compare_triton_to_torch, grouped_gemm_triton, grouped_gemm_weight_grad_triton,
                           grouped_gemm_reference, grouped_gemm_library, grouped_gemm_weight_grad_library, library_support,
-                          expert_backends, check_empty_expert, benchmark_suite, BENCHMARK_ARMS)
+                          expert_backends, check_empty_expert, benchmark_suite, BENCHMARK_ARMS, grouped_gemm_per_expert,
+                          grouped_gemm_weight_grad_per_expert)
 from rtrainer.kernels import start_gradient_step, gradient_fp32, load_results, knob_values
 
 pytestmark = pytest.mark.cuda
@@ -14,7 +16,7 @@ def rel(a, b): return ((a.double() - b.double()).norm() / b.double().norm()).ite
 def backend_knobs(backend):
     return {} if backend == "auto" else {"EXPERT_GEMM": backend, "EXPERT_WEIGHT_GRAD": backend}
 
-@pytest.mark.parametrize("backend", ["triton", "library"])
+@pytest.mark.parametrize("backend", ["triton", "library", "per_expert"])
 @pytest.mark.parametrize("dispatch,capacity_factor", [("capacity", 1.0), ("capacity", 0.7), ("dropless", 1.0)])
 def test_fp32_layer_matches_float64(dispatch, capacity_factor, backend):
     with knob_values(moe, backend_knobs(backend)):
@@ -30,7 +32,10 @@ def test_library_support_on_hopper():
     for dispatch in ("capacity", "dropless"):
         print(dispatch, "auto ->", expert_backends(torch.bfloat16, "cuda", dispatch == "capacity"))
     assert expert_backends(torch.bfloat16, "cuda", True)[:2] == ("library", "library")
-    assert expert_backends(torch.bfloat16, "cuda", False).gemm == "library"
+    assert expert_backends(torch.bfloat16, "cuda", False)[:2] == ("per_expert", "per_expert")   # measured ahead of _grouped_mm
+    assert expert_backends(torch.float32, "cuda", False).gemm == "triton"                     # fp32: the Triton kernels
+    with knob_values(moe, backend_knobs("per_expert")):                      # bmm(out_dtype=) runs: fp32 into main_grad
+        assert expert_backends(torch.bfloat16, "cuda", False).weight_grad_note.endswith("fp32 into main_grad")
 
 @pytest.mark.parametrize("sizes", [[0, 300, 1, 129, 0, 1000, 64, 7], [4096] * 8])
 def test_grouped_gemm_bf16(sizes):
@@ -75,7 +80,7 @@ def test_library_grouped_gemm_bf16(sizes, capacity):
     grouped_gemm_weight_grad_library(a, dc, starts.cuda(), ends.cuda(), dw, accumulate=True, capacity=capacity)
     assert rel(dw, 2 * dw_want) < 1e-2
 
-@pytest.mark.parametrize("backend", ["triton", "library", "auto"])
+@pytest.mark.parametrize("backend", ["triton", "library", "per_expert", "auto"])
 @pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
 def test_bf16_layer_close_to_float64(dispatch, backend):
     torch.manual_seed(1)
@@ -101,13 +106,61 @@ def test_bf16_layer_close_to_float64(dispatch, backend):
     assert errors["y"] < 1e-2 and max(errors.values()) < 3e-2, errors
     assert fast.experts_gate_up.main_grad.dtype == torch.float32
 
-@pytest.mark.parametrize("backend", ["triton", "library"])
+@pytest.mark.parametrize("backend", ["triton", "library", "per_expert"])
 def test_empty_expert_bf16(backend):
     with knob_values(moe, backend_knobs(backend)):
         errors, empty_grad = check_empty_expert(n_tokens=700, d_model=256, expert_d_ff=128, n_experts=8, empty=5, device="cuda",
                                                 dtype=torch.bfloat16)
     print(backend, errors, empty_grad)
     assert empty_grad == 0 and errors["y"] < 1e-2 and max(errors.values()) < 3e-2, (errors, empty_grad)
+
+@pytest.mark.parametrize("sizes", [[0, 300, 1, 129, 0, 1000, 64, 7], [4096] * 8])
+def test_per_expert_gemms_bf16(sizes):
+    torch.manual_seed(3)
+    bounds = [0] + torch.tensor(sizes).cumsum(0).tolist()
+    starts, ends = torch.tensor(bounds[:-1]), torch.tensor(bounds[1:])
+    R, K, N = bounds[-1], 512, 768
+    a = torch.randn(R, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(len(sizes), K, N, device="cuda", dtype=torch.bfloat16) * 0.05
+    dc = torch.randn(R, N, device="cuda", dtype=torch.bfloat16)
+    y = grouped_gemm_per_expert(a, w, bounds)
+    err = rel(y, grouped_gemm_reference(a.double(), w.double(), starts, ends)); print("forward", err)
+    assert not y.isnan().any() and err < 1e-2
+    da = grouped_gemm_per_expert(dc, w.transpose(1, 2), bounds)
+    err = rel(da, grouped_gemm_reference(dc.double(), w.double().transpose(1, 2), starts, ends)); print("input grad", err)
+    assert not da.isnan().any() and err < 1e-2
+    dw = torch.full(w.shape, float("nan"), device="cuda")
+    grouped_gemm_weight_grad_per_expert(a, dc, bounds, dw)
+    dw_want = torch.stack([a[x:e].double().T @ dc[x:e].double() for x, e in zip(bounds[:-1], bounds[1:])])
+    err = rel(dw, dw_want); print("weight grad", err)
+    assert not dw.isnan().any() and err < 1e-3                                 # fp32 output: no bf16 rounding of the sum
+    for g, n in enumerate(sizes):
+        if n == 0: assert dw[g].abs().max() == 0
+    grouped_gemm_weight_grad_per_expert(a, dc, bounds, dw, accumulate=True)
+    assert rel(dw, 2 * dw_want) < 1e-3
+
+def test_per_expert_waits_once_in_forward_never_in_backward():
+    "The per-expert backend reads the group bounds to the host once in the forward; the backward reuses them."
+    torch.manual_seed(2)
+    layer = MoeFeedForward(256, 128, 8, 2, dispatch="dropless", impl="triton", dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    def backward(y):
+        torch.autograd.backward([y, layer.last_stats["load_balance_loss"]], [torch.ones_like(y), torch.ones_like(layer.last_stats["load_balance_loss"])])
+    with knob_values(moe, backend_knobs("per_expert")):
+        start_gradient_step(layer.parameters()); backward(layer(x)); torch.cuda.synchronize()   # warm up
+        start_gradient_step(layer.parameters())
+        try:
+            torch.cuda.set_sync_debug_mode("warn")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                y = layer(x)
+            torch.cuda.set_sync_debug_mode("error")
+            backward(y)
+        finally: torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    print(syncs)
+    assert len(syncs) == 1, syncs
+    assert torch.isfinite(layer.experts_gate_up.main_grad).all() and torch.isfinite(x.grad).all()
 
 @pytest.mark.parametrize("backend", ["triton", "library"])
 @pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
@@ -130,7 +183,8 @@ def test_layer_never_waits_for_the_host(dispatch, backend):
 def test_benchmark_suite_quick_runs():
     path = benchmark_suite(quick=True, rounds=2)
     res = load_results("moe_quick")
-    assert res is not None and len(res["rows"]) == len(BENCHMARK_ARMS) == 7 and all(r["ms"] > 0 for r in res["rows"]), path
+    assert res is not None and len(res["rows"]) == len(BENCHMARK_ARMS) == 8 and all(r["ms"] > 0 for r in res["rows"]), path
+    assert res["per_expert_dropless_over_capacity_time"] > 0 and res["library_dropless_over_capacity_time"] > 0
     assert all(r["peak_step_gib"] > 0 for r in res["rows"]) and all(r["saved_gib"] > 0 for r in res["rows"][1:])
     assert set(res["auto_picks"]) == {"capacity", "dropless"} and all(p["arm"] for p in res["auto_picks"].values()), res["auto_picks"]
     print({r["arm"]: (round(r["ms"], 3), r["weight_grad_note"]) for r in res["rows"]}, res["auto_picks"])
