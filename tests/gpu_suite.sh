@@ -45,6 +45,8 @@ for s in "$@"; do case $s in
   norms)     stage bench_norms 90 $PY -c "from rtrainer.kernels import benchmark_suite; benchmark_suite(kernels=['rms_norm', 'add_rms_norm'], save_as='kernels_norms')" ;;
   fsdp)      stage fsdp ${FSDP_LIMIT:-300} $PY -c "from rtrainer.distributed import benchmark_suite; print(benchmark_suite(steps=${STEPS:-12}, rounds=${ROUNDS:-3}, impl='${IMPL:-triton}'))" ;;
   curves-*)  c=${s#curves-}; b=$($PY -c "from rtrainer.model import REFERENCE_BATCH as R; print(R['$c'])"); stage "loss_curves_$c" ${CURVES_LIMIT:-300} $PY tests/gpu_train_bench.py --arms $c:$b:torch,$c:$b:triton --rounds 1 --steps ${CURVE_STEPS:-200} --data data/python-docs --name "loss_curves_$c" --extra "--lr 6e-4 --warmup 20 ${CURVE_EXTRA:---vocab-size 50257}" ;;   # the python-docs shard is r50k: rb100m needs the wider vocabulary
+  forward-variants)   stage forward_variants 150 $PY tests/forward_variants.py ;;       # why four forwards trailed compile: writes $OUT/forward_variants.json
+  attention-variants) stage attention_variants 360 $PY tests/attention_variants.py ;;   # flash-attention forward variants vs cuDNN: $OUT/attention_variants.json
   optimizer-full) stage bench_optimizer_full ${OPT_LIMIT:-150} $PY -c "from rtrainer.optimizer import benchmark_suite; benchmark_suite()" ;;
   *) echo "unknown stage $s"; exit 2 ;;
 esac; done
