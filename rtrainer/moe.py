@@ -400,22 +400,24 @@ def grouped_gemm_library(rows, weight, group_starts, group_ends, capacity=0):
         return torch.bmm(rows.view(E, capacity, K), weight).view(E * capacity, N)   # (E, C, K) @ (E, K, N)
     return torch._grouped_mm(rows, weight, offs=group_ends).contiguous()           # groups end at group_ends (device)
 
+def _bmm_into(out, a, b, accumulate):
+    "out = (or +=) a @ b, batched, into fp32 `out`: written by bmm itself where it can, else in the operands' dtype and then added."
+    if a.dtype == out.dtype: return out.baddbmm_(a, b) if accumulate else torch.bmm(a, b, out=out)
+    if a.dtype in (torch.bfloat16, torch.float16) and library_support(a.device)["bmm_fp32_out"][0]:
+        return (torch.baddbmm(out, a, b, out_dtype=torch.float32, out=out) if accumulate
+                else torch.bmm(a, b, out_dtype=torch.float32, out=out))
+    grad = torch.bmm(a, b)                                           # operands' dtype: rounded before the fp32 add
+    return out.add_(grad) if accumulate else out.copy_(grad)
+
 def grouped_gemm_weight_grad_library(rows, grad_out, group_starts, group_ends, out, accumulate=False, capacity=0):
     "out[g] (fp32, (G, K, N)) = (or +=) rows[group g]^T @ grad_out[group g] with PyTorch's kernels; empty group -> zero."
     G, K, N = out.shape
-    support = library_support(rows.device)
-    if capacity:
-        a, b = rows.view(G, capacity, K).transpose(1, 2), grad_out.view(G, capacity, N)     # (G, K, C), (G, C, N)
-        if rows.dtype == torch.float32: return out.baddbmm_(a, b) if accumulate else torch.bmm(a, b, out=out)
-        if support["bmm_fp32_out"][0]:
-            return (torch.baddbmm(out, a, b, out_dtype=torch.float32, out=out) if accumulate
-                    else torch.bmm(a, b, out_dtype=torch.float32, out=out))
-        grad = torch.bmm(a, b)                                       # operands' dtype: rounded before the fp32 add
-    else:
-        fp32_out = rows.dtype == torch.float32 or support["grouped_mm_fp32_out"][0]
-        grad = torch._grouped_mm(rows.T, grad_out, offs=group_ends, out_dtype=torch.float32 if fp32_out else None)
-        if rows.is_cuda and torch.cuda.get_device_capability(rows.device)[0] != 9:     # empty groups: see the prose
-            grad = torch.where((group_ends > group_starts)[:, None, None], grad, grad.new_zeros(()))
+    if capacity:                                                     # (G, K, C) @ (G, C, N)
+        return _bmm_into(out, rows.view(G, capacity, K).transpose(1, 2), grad_out.view(G, capacity, N), accumulate)
+    fp32_out = rows.dtype == torch.float32 or library_support(rows.device)["grouped_mm_fp32_out"][0]
+    grad = torch._grouped_mm(rows.T, grad_out, offs=group_ends, out_dtype=torch.float32 if fp32_out else None)
+    if rows.is_cuda and torch.cuda.get_device_capability(rows.device)[0] != 9:     # empty groups: see the prose
+        grad = torch.where((group_ends > group_starts)[:, None, None], grad, grad.new_zeros(()))
     return out.add_(grad) if accumulate else out.copy_(grad)
 
 def grouped_gemm_per_expert(rows, weight, group_bounds, out=None):
@@ -427,20 +429,10 @@ def grouped_gemm_per_expert(rows, weight, group_bounds, out=None):
 
 def grouped_gemm_weight_grad_per_expert(rows, grad_out, group_bounds, out, accumulate=False):
     "out[g] (fp32, (G, K, N)) = (or +=) rows[group g]^T @ grad_out[group g], one bmm per group; empty: zero, or left as is."
-    fp32_out = rows.dtype in (torch.bfloat16, torch.float16) and library_support(rows.device)["bmm_fp32_out"][0]
     for g, (lo, hi) in enumerate(zip(group_bounds[:-1], group_bounds[1:])):
         dw = out[g:g + 1]                                                      # (1, K, N) view of out
-        if hi == lo:
-            if not accumulate: dw.zero_()                                      # an expert without rows: zero gradient
-            continue
-        a, b = rows[lo:hi].T[None], grad_out[lo:hi][None]                      # (1, K, n_g), (1, n_g, N)
-        if rows.dtype == out.dtype: dw.baddbmm_(a, b) if accumulate else torch.bmm(a, b, out=dw)
-        elif fp32_out:
-            if accumulate: torch.baddbmm(dw, a, b, out_dtype=torch.float32, out=dw)
-            else: torch.bmm(a, b, out_dtype=torch.float32, out=dw)
-        else:
-            grad = torch.bmm(a, b)                                             # operands' dtype, then into out's
-            dw.add_(grad) if accumulate else dw.copy_(grad)
+        if hi > lo: _bmm_into(dw, rows[lo:hi].T[None], grad_out[lo:hi][None], accumulate)   # (1, K, n_g) @ (1, n_g, N)
+        elif not accumulate: dw.zero_()                                        # an expert without rows: zero gradient
     return out
 
 # %% ../nbs/03_moe.ipynb #af3b50d9
