@@ -6,8 +6,8 @@ Docs: https://example.invalid/rtrainer/rtrainer/moe.html.md"""
 
 # %% auto #0
 __all__ = ['GROUPED_GEMM_BLOCK_M', 'ROW_BLOCK', 'EXPERT_GEMM', 'EXPERT_WEIGHT_GRAD', 'EXPERT_BACKENDS', 'MOE_KNOBS',
-           'RECOMPUTE_IN_BACKWARD', 'BENCHMARK_ARMS', 'RouterLogits', 'route_tokens', 'load_balance_loss',
-           'load_balance_weight', 'expert_capacity', 'capacity_slots', 'expert_swiglu_reference',
+           'RECOMPUTE_IN_BACKWARD', 'BENCHMARK_ARMS', 'COMPILE_MODES', 'FLOOR_ARM', 'RouterLogits', 'route_tokens',
+           'load_balance_loss', 'load_balance_weight', 'expert_capacity', 'capacity_slots', 'expert_swiglu_reference',
            'capacity_moe_reference', 'dropless_moe_reference', 'grouped_gemm_kernel', 'grouped_gemm_weight_grad_kernel',
            'grouped_gemm_triton', 'grouped_gemm_weight_grad_triton', 'grouped_gemm_reference', 'gather_rows_kernel',
            'combine_rows_kernel', 'gather_rows_triton', 'combine_rows_triton', 'library_support', 'ExpertBackends',
@@ -15,7 +15,7 @@ __all__ = ['GROUPED_GEMM_BLOCK_M', 'ROW_BLOCK', 'EXPERT_GEMM', 'EXPERT_WEIGHT_GR
            'grouped_gemm_weight_grad_per_expert', 'RoutingPlan', 'capacity_plan', 'dropless_plan', 'host_group_bounds',
            'MoeExperts', 'moe_experts_triton', 'MoeFeedForward', 'moe_parameter_count', 'naive_moe_loop',
            'check_moe_against_loop', 'compare_triton_to_torch', 'check_empty_expert', 'saved_tensor_bytes',
-           'expert_saved_bytes', 'accumulation_gradients', 'benchmark_suite']
+           'expert_saved_bytes', 'accumulation_gradients', 'expert_gemm_floor_step', 'benchmark_suite']
 
 # %% ../nbs/03_moe.ipynb #d120d79d
 import math, os, sys, time
@@ -755,6 +755,7 @@ def accumulation_gradients(layer, sequences, probe, micro_batch):
 # %% ../nbs/03_moe.ipynb #7eb53ecb
 BENCHMARK_ARMS = {   # arm: (dispatch, impl, knobs); the first arm is compiled, and is the bar
     "torch.compile capacity": ("capacity", "torch", {}),
+    "torch.compile max-autotune capacity": ("capacity", "torch", {}),
     "eager capacity": ("capacity", "torch", {}),
     "triton capacity": ("capacity", "triton", {"EXPERT_GEMM": "triton", "EXPERT_WEIGHT_GRAD": "triton"}),
     "triton dropless": ("dropless", "triton", {"EXPERT_GEMM": "triton", "EXPERT_WEIGHT_GRAD": "triton"}),
@@ -763,6 +764,26 @@ BENCHMARK_ARMS = {   # arm: (dispatch, impl, knobs); the first arm is compiled, 
     "library dropless, grouped_mm weight grad": ("dropless", "triton", {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "library"}),
     "per-expert dropless": ("dropless", "triton", {"EXPERT_GEMM": "per_expert", "EXPERT_WEIGHT_GRAD": "per_expert"}),
 }
+
+COMPILE_MODES = {"torch.compile capacity": "default", "torch.compile max-autotune capacity": "max-autotune-no-cudagraphs"}
+FLOOR_ARM = "expert GEMMs alone (bmm)"
+
+def expert_gemm_floor_step(N, D, FF, E, k, device="cuda", dtype=torch.bfloat16):
+    """A function running only the six expert GEMMs of one layer step, as batched cuBLAS calls on C = N*k/E rows per
+    expert with outputs in `dtype`: no routing, no row movement, no SwiGLU, no fp32 gradients. A floor for the layer."""
+    C = N * k // E
+    new = lambda *shape: torch.randn(*shape, device=device, dtype=dtype)
+    x, w_gate_up, w_down, act, d_out, d_hidden = new(E, C, D), new(E, D, 2 * FF), new(E, FF, D), new(E, C, FF), new(E, C, D), new(E, C, 2 * FF)
+    hidden, out, d_act, d_x = new(E, C, 2 * FF), new(E, C, D), new(E, C, FF), new(E, C, D)
+    dw_gate_up, dw_down = new(E, D, 2 * FF), new(E, FF, D)
+    def step():
+        torch.bmm(x, w_gate_up, out=hidden)                       # gate_up forward
+        torch.bmm(act, w_down, out=out)                           # down forward
+        torch.bmm(d_out, w_down.transpose(1, 2), out=d_act)       # down input gradient
+        torch.bmm(act.transpose(1, 2), d_out, out=dw_down)        # down weight gradient
+        torch.bmm(d_hidden, w_gate_up.transpose(1, 2), out=d_x)   # gate_up input gradient
+        torch.bmm(x.transpose(1, 2), d_hidden, out=dw_gate_up)    # gate_up weight gradient
+    return step
 
 def _moe_layer_step(layer, x, grad_y, params):
     start_gradient_step(params)
@@ -788,20 +809,21 @@ def benchmark_suite(quick=False, rounds=5):
     with torch.no_grad():
         for layer in layers.values():
             for p, p0 in zip(layer.parameters(), layers[base_name].parameters()): p.copy_(p0)
-    compiled = torch.compile(layers[base_name])
+    compiled = {name: torch.compile(layers[name], mode=mode) for name, mode in COMPILE_MODES.items()}
     def make_step(name):
         layer, knobs = layers[name], BENCHMARK_ARMS[name][2]
-        module, params = (compiled if name == base_name else layer), list(layer.parameters())
+        module, params = compiled.get(name, layer), list(layer.parameters())
         def step():
             with knob_values(MOE_KNOBS, knobs): _moe_layer_step(module, x, grad_y, params)
         return step
     steps = {name: make_step(name) for name in BENCHMARK_ARMS}
+    steps[FLOOR_ARM] = expert_gemm_floor_step(N, D, FF, E, k, dev, dt)
     first_call_s, peaks, saved_bytes = {}, {}, {}
     for name, fn in steps.items():                    # compile, autotune, warm the allocator; first call timed apart
         t0 = time.perf_counter(); fn(); torch.cuda.synchronize(); first_call_s[name] = time.perf_counter() - t0
         fn()
         peaks[name] = peak_bytes(fn)
-        if name != base_name:
+        if name not in compiled and name != FLOOR_ARM:
             layer, knobs = layers[name], BENCHMARK_ARMS[name][2]
             start_gradient_step(layer.parameters())
             with knob_values(MOE_KNOBS, knobs):
@@ -817,18 +839,20 @@ def benchmark_suite(quick=False, rounds=5):
     routed_rows = N * k
     flops = 3 * 2 * routed_rows * D * 3 * FF          # forward + 2x backward, gate_up (2FF) and down (FF) GEMMs
     base = sum(times[base_name]) / rounds
+    best_compile = min(compiled, key=lambda name: sum(times[name]))
     rows = []
     for name, ts in times.items():
-        dispatch, impl, knobs = BENCHMARK_ARMS[name]
-        backends = _arm_backends(dispatch, impl, knobs, dt)
+        dispatch, impl, knobs = BENCHMARK_ARMS.get(name, ("none", "library", {}))
+        backends = _arm_backends(dispatch, impl, knobs, dt) if name != FLOOR_ARM else None
         mean = sum(ts) / len(ts)
         _, low, high = ratio_interval([b / t for b, t in zip(times[base_name], ts)])     # paired by round
         rows.append(dict(arm=name, ms=mean, ms_min=min(ts), ms_max=max(ts), tflops=flops / mean / 1e9,
-                         speedup_vs_compile=base / mean, speedup_ci95=(high - low) / 2 if low is not None else None,
+                         speedup_vs_compile=base / mean, speedup_vs_best_compile=sum(times[best_compile]) / rounds / mean,
+                         speedup_ci95=(high - low) / 2 if low is not None else None,
                          speedup_ci95_low=low, speedup_ci95_high=high, first_call_s=first_call_s[name],
                          peak_step_gib=peaks[name] / 2**30, saved_gib=saved_bytes[name] / 2**30 if name in saved_bytes else None,
-                         dispatch=dispatch, gemm=backends.gemm if backends else "torch", weight_grad=backends.weight_grad if backends else "torch",
-                         weight_grad_note=backends.weight_grad_note if backends else "autograd, bf16",
+                         dispatch=dispatch, gemm=backends.gemm if backends else impl, weight_grad=backends.weight_grad if backends else impl,
+                         weight_grad_note=backends.weight_grad_note if backends else ("bmm, bf16" if name == FLOOR_ARM else "autograd, bf16"),
                          tokens=N, d_model=D, expert_d_ff=FF, experts=E, top_k=k))
     by_arm = {r["arm"]: r for r in rows}
     auto_picks = {}
@@ -841,5 +865,7 @@ def benchmark_suite(quick=False, rounds=5):
                         dropless_over_capacity_time=by_arm["triton dropless"]["ms"] / by_arm["triton capacity"]["ms"],
                         library_dropless_over_capacity_time=by_arm["library dropless"]["ms"] / by_arm["library capacity"]["ms"],
                         per_expert_dropless_over_capacity_time=by_arm["per-expert dropless"]["ms"] / by_arm["library capacity"]["ms"],
-                        auto_picks=auto_picks, library_support={op: list(v) for op, v in library_support(dev).items()},
+                        auto_picks=auto_picks, compile_modes=COMPILE_MODES, best_compile_arm=best_compile,
+                        gemm_floor_ms=by_arm[FLOOR_ARM]["ms"], target_ms=by_arm[best_compile]["ms"] / 1.15,
+                        library_support={op: list(v) for op, v in library_support(dev).items()},
                         recompute_in_backward=RECOMPUTE_IN_BACKWARD, rounds=rounds)

@@ -38,7 +38,7 @@ for s in "$@"; do case $s in
   attention-quick) stage bench_attention_quick 90 $PY -c "from rtrainer.attention import benchmark_suite; benchmark_suite(quick=True)" ;;
   attention) stage bench_attention 180 $PY -c "from rtrainer.attention import benchmark_suite; benchmark_suite()" ;;
   matmul)    stage bench_matmul 150 $PY -c "from rtrainer.matmul import benchmark_suite; benchmark_suite(quick=True)" ;;
-  moe)       stage bench_moe 150 $PY -c "from rtrainer.moe import benchmark_suite; benchmark_suite(rounds=3)" ;;
+  moe)       stage bench_moe ${MOE_LIMIT:-300} $PY -c "from rtrainer.moe import benchmark_suite; benchmark_suite(rounds=3)" ;;
   optimizer) stage bench_optimizer 90 $PY -c "from rtrainer.optimizer import benchmark_suite; benchmark_suite(quick=True)" ;;
   profile)   stage profile 100 $PY -m rtrainer profile --config prof183m --batch-size 32 ;;
   versus-*)  c=${s#versus-}; stage "versus_$c" "${VERSUS_LIMIT:-220}" $PY -m rtrainer versus --config "$c" --tiers "${TIERS:-default}" --rounds "${ROUNDS:-2}" --steps ${VSTEPS:-4} --warmup ${VWARMUP:-3} --timeout ${ARM_TIMEOUT:-160} ;;
@@ -47,6 +47,7 @@ for s in "$@"; do case $s in
   curves-*)  c=${s#curves-}; b=$($PY -c "from rtrainer.model import REFERENCE_BATCH as R; print(R['$c'])"); stage "loss_curves_$c" ${CURVES_LIMIT:-300} $PY tests/gpu_train_bench.py --arms $c:$b:torch,$c:$b:triton --rounds 1 --steps ${CURVE_STEPS:-200} --data data/python-docs --name "loss_curves_$c" --extra "--lr 6e-4 --warmup 20 ${CURVE_EXTRA:---vocab-size 50257}" ;;   # the python-docs shard is r50k: rb100m needs the wider vocabulary
   forward-variants)   stage forward_variants 150 $PY tests/forward_variants.py ;;       # why four forwards trailed compile: writes $OUT/forward_variants.json
   attention-variants) stage attention_variants 360 $PY tests/attention_variants.py ;;   # flash-attention forward variants vs cuDNN: $OUT/attention_variants.json
+  attention-math) stage attention_math ${MATH_LIMIT:-480} $PY tests/attention_math_variants.py ;;   # instruction-count forward and atomic-dQ backward variants: $OUT/attention_math_variants.json
   optimizer-full) stage bench_optimizer_full ${OPT_LIMIT:-150} $PY -c "from rtrainer.optimizer import benchmark_suite; benchmark_suite()" ;;
   *) echo "unknown stage $s"; exit 2 ;;
 esac; done
