@@ -63,16 +63,16 @@ def _forward_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, q_pos
             v = tl.load(v_ptrs, mask=k_pos[:, None] < T, other=0.0)
         else:
             kT, v = tl.load(kT_ptrs), tl.load(v_ptrs)
-        s = tl.dot(q, kT, input_precision=PRECISION) * scale_log2             # (BLOCK_M, BLOCK_N), log2 units
+        s = tl.dot(q, kT, input_precision=PRECISION)                          # (BLOCK_M, BLOCK_N), raw scores
         if MASKED:
             keep = k_pos[None, :] < T
             if CAUSAL: keep = keep & (q_pos[:, None] >= k_pos[None, :])
             s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)                     # the scale is > 0: max first, then scale
+        p = tl.math.exp2(s * scale_log2 - m_new[:, None])                     # one fused multiply-add per score
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -247,12 +247,17 @@ def flash_backward_dq_kernel(
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None])
 
 # %% ../nbs/02_attention.ipynb #6bc5e1b5
-# Four candidates per kernel (BLOCK_M, BLOCK_N, warps, stages). Each list keeps the configs that won at the
+# Four or five candidates per kernel (BLOCK_M, BLOCK_N, warps, stages). Each list keeps the configs that won at the
 # reference shapes on the H200 (forward 128/64/8/3 everywhere; dK/dV 64/64 at head dim 64 and 32/64 at 128;
 # dQ 64/64 and 64/32) and tries deeper pipelines and wider tiles beside them.
-def _configs(candidates): return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in candidates]
+def _configs(candidates):
+    "(BLOCK_M, BLOCK_N, warps, stages[, register cap per thread]) -> triton.Config list."
+    return [triton.Config({"BLOCK_M": c[0], "BLOCK_N": c[1]}, num_warps=c[2], num_stages=c[3], maxnreg=c[4] if len(c) > 4 else None)
+            for c in candidates]
 
-FORWARD_CONFIGS = _configs([(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4)])  # BLOCK_M % BLOCK_N == 0
+# The fifth forward config caps registers at 128 per thread so that two 8-warp programs share an SM at head dim
+# 128 (uncapped, the 128 x 64 tile takes 175-180 registers there, one program per SM; capped, ptxas spills 84 bytes).
+FORWARD_CONFIGS = _configs([(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (128, 64, 8, 2, 128)])  # BLOCK_M % BLOCK_N == 0
 DQ_CONFIGS = _configs([(64, 32, 4, 3), (64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3)])          # BLOCK_M % BLOCK_N == 0
 DKDV_CONFIGS = _configs([(32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 8, 3)])        # BLOCK_N % BLOCK_M == 0
 # Tuned once per head dim, causality and dtype (the autotuner adds the tensors' dtypes to the key), not per

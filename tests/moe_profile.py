@@ -1,0 +1,56 @@
+"""Where does one MoE layer step go, beyond its six expert GEMMs? One GPU run (about a minute) profiles a forward +
+backward at the moe4b shape (16,384 tokens, D 3072, FF 4096, 8 experts, top-2, bf16) for the library capacity arm
+(what `auto` runs) and for torch.compile of the capacity reference, and prints each arm's GPU kernels grouped
+as GEMMs and the rest, summed over 5 profiled steps after warm-up. Writes $OUT/moe_profile.json when OUT is set.
+`python tests/moe_profile.py` on a GPU."""
+import json, os, sys
+from collections import defaultdict
+import torch
+from rtrainer.kernels import knob_values
+from rtrainer import moe
+
+STEPS = 5
+
+def is_gemm(name):
+    n = name.lower()
+    return any(s in n for s in ("gemm", "sm90_xmma", "cutlass", "nvjet", "_mm_", "bmm", "matmul", "wgmma"))
+
+def profile_arm(step):
+    for _ in range(3): step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(STEPS): step()
+        torch.cuda.synchronize()
+    kernels = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
+            kernels[e.name][0] += e.device_time / STEPS / 1e3          # ms per step
+            kernels[e.name][1] += 1
+    return {name: dict(ms=ms, calls=calls // STEPS) for name, (ms, calls) in kernels.items()}
+
+def main():
+    if not torch.cuda.is_available(): sys.exit("moe_profile: needs a CUDA GPU")
+    N, D, FF, E, k = 16_384, 3072, 4096, 8, 2
+    torch.manual_seed(0)
+    x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    grad_y = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
+    out = {}
+    for arm in ("library capacity", "torch.compile capacity"):
+        dispatch, impl, knobs = moe.BENCHMARK_ARMS[arm]
+        layer = moe.MoeFeedForward(D, FF, E, k, dispatch=dispatch, impl=impl, dtype=torch.bfloat16, device="cuda")
+        module = torch.compile(layer) if arm.startswith("torch.compile") else layer
+        params = list(layer.parameters())
+        def step():
+            with knob_values(moe.MOE_KNOBS, knobs): moe._moe_layer_step(module, x, grad_y, params)
+        kernels = profile_arm(step)
+        out[arm] = kernels
+        gemm = sum(v["ms"] for n, v in kernels.items() if is_gemm(n))
+        rest = sum(v["ms"] for n, v in kernels.items() if not is_gemm(n))
+        print(f"\n== {arm}: kernels {gemm + rest:.3f} ms per step = GEMMs {gemm:.3f} + other {rest:.3f}")
+        for name, v in sorted(kernels.items(), key=lambda kv: -kv[1]["ms"])[:28]:
+            print(f"  {v['ms']:7.3f} ms  x{v['calls']:<3d} {'GEMM ' if is_gemm(name) else '     '}{name[:110]}")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "moe_profile.json"), "w") as f: json.dump(out, f, indent=1)
+
+if __name__ == "__main__":
+    main()
