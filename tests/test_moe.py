@@ -426,14 +426,33 @@ def test_saved_bytes_match_the_count_from_shapes(dispatch):
         assert measured - want == (8 if dispatch == "capacity" else 0), (measured, want)   # capacity: the scratch row's 8 bytes
         del y
 
-def test_router_low_memory_same_numbers_fewer_bytes():
+def test_router_logits_same_numbers_fewer_bytes():
     torch.manual_seed(7)
     x0, r0 = torch.randn(23, 12, dtype=torch.bfloat16), torch.randn(12, 5)
     out, saved = {}, {}
-    for low_memory in (False, True):
+    for name, logits_fn in (("autograd", None), ("low_memory", moe.RouterLogits.apply)):
         x, r = x0.clone().requires_grad_(), r0.clone().requires_grad_()
-        saved[low_memory], (probs, _, weights) = saved_tensor_bytes(lambda: route_tokens(x, r, 2, low_memory=low_memory), exclude=[r])
+        saved[name], (probs, _, weights) = saved_tensor_bytes(lambda: route_tokens(x, r, 2, logits_fn=logits_fn), exclude=[r])
         (probs.square().sum() + weights.exp().sum()).backward()
-        out[low_memory] = [probs.detach(), weights.detach(), x.grad, r.grad]
-    for a, b in zip(out[False], out[True]): assert torch.equal(a, b)
-    assert saved[False] - saved[True] == 23 * 12 * 2        # the fp32 copy of x (4 bytes) replaced by x (2 bytes)
+        out[name] = [probs.detach(), weights.detach(), x.grad, r.grad]
+    for a, b in zip(out["autograd"], out["low_memory"]): assert torch.equal(a, b)
+    assert saved["autograd"] - saved["low_memory"] == 23 * 12 * 2     # the fp32 copy of x (4 bytes) replaced by x (2 bytes)
+
+@needs_kernels
+@pytest.mark.parametrize("N,D,E,dtype", [(37, 70, 5, torch.float32), (100, 129, 8, torch.float32), (1, 16, 2, torch.float32),
+                                         (45, 66, 8, torch.bfloat16), (600, 40, 3, torch.float16)])
+def test_router_logits_triton_matches_float64(N, D, E, dtype):
+    errors = moe.router_parity_errors(N, D, E, dtype, device=DEVICE, seed=N)
+    print(errors)
+    assert errors["logits"] < 1e-5 and errors["router"] < 1e-5, errors    # fp32 sums of values the dtype holds exactly
+    assert errors["x"] < (1e-5 if dtype == torch.float32 else 1e-2), errors   # dx is written in x's dtype
+
+@needs_kernels
+def test_router_logits_triton_saves_x_only_and_falls_back():
+    x, r = torch.randn(9, 20, device=DEVICE).requires_grad_(), torch.randn(20, 4, device=DEVICE).requires_grad_()
+    saved, logits = saved_tensor_bytes(lambda: moe.router_logits_triton(x, r), exclude=[r])
+    assert saved == x.numel() * 4 and logits.dtype == torch.float32
+    x64, r64 = x.detach().double(), r.detach().double()                  # a float64 router: the torch products
+    assert torch.equal(moe.router_logits_triton(x64, r64), x64 @ r64)
+    with pytest.raises(ValueError, match="router_logits_triton"):
+        moe.router_logits_triton(x, torch.randn(21, 4, device=DEVICE))

@@ -24,6 +24,11 @@ def test_fp32_layer_matches_float64(dispatch, capacity_factor, backend):
     print(dispatch, backend, errors)
     assert max(errors.values()) < 1e-4, errors
 
+def test_router_logits_triton_bf16_moe4b_shape():
+    errors = moe.router_parity_errors(16_384 + 3, 3072, 8, torch.bfloat16, device="cuda")
+    print(errors)
+    assert errors["logits"] < 1e-5 and errors["router"] < 1e-5 and errors["x"] < 1e-2, errors
+
 def test_library_support_on_hopper():
     support = library_support("cuda")
     print(torch.__version__, torch.cuda.get_device_capability(), support)
