@@ -351,18 +351,19 @@ def router_logits_kernel(x_ptr, w_ptr, out_ptr, N, D, E, BLOCK_ROWS: tl.constexp
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + cols[None, :],
                     mask=(rows[:, None] < N) & (cols[None, :] < D), other=0.0).to(tl.float32)
         w = tl.load(w_ptr + cols[:, None] * E + experts[None, :], mask=(cols[:, None] < D) & (experts[None, :] < E), other=0.0)
-        acc = tl.dot(x, w, acc, input_precision="ieee")
+        acc += tl.dot(x, w, input_precision="ieee")     # each chunk summed apart, then added: a shorter chain of roundings
     tl.store(out_ptr + rows[:, None] * E + experts[None, :], acc, mask=(rows[:, None] < N) & (experts[None, :] < E))
 
 @triton.jit
-def router_grad_x_kernel(g_ptr, w_ptr, out_ptr, N, D, E, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, E_PAD: tl.constexpr):
+def router_grad_x_kernel(g_ptr, w_ptr, out_ptr, N, D, E: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
     # read BLOCK_ROWS*E of dlogits and BLOCK_COLS*E of the router, write BLOCK_ROWS*BLOCK_COLS of dx per program
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    experts = tl.arange(0, E_PAD)
-    g = tl.load(g_ptr + rows[:, None] * E + experts[None, :], mask=(rows[:, None] < N) & (experts[None, :] < E), other=0.0)
-    wT = tl.load(w_ptr + cols[None, :] * E + experts[:, None], mask=(cols[None, :] < D) & (experts[:, None] < E), other=0.0)
-    dx = tl.dot(g.to(tl.float32), wT, input_precision="ieee")
+    dx = tl.zeros([BLOCK_ROWS, BLOCK_COLS], tl.float32)
+    for e in tl.static_range(E):                        # E outer products: E fused multiply-adds per output, no padding
+        g = tl.load(g_ptr + rows * E + e, mask=rows < N, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols * E + e, mask=cols < D, other=0.0)
+        dx += g[:, None] * w[None, :]
     tl.store(out_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], dx.to(out_ptr.dtype.element_ty),
              mask=(rows[:, None] < N) & (cols[None, :] < D))
 
@@ -406,7 +407,7 @@ class RouterLogitsTriton(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = torch.empty_like(x)
             router_grad_x_kernel[(triton.cdiv(N, ROUTER_BLOCK_ROWS), triton.cdiv(D, ROUTER_BLOCK_COLS))](
-                g, router, grad_x, N, D, E, BLOCK_ROWS=ROUTER_BLOCK_ROWS, BLOCK_COLS=ROUTER_BLOCK_COLS, E_PAD=_router_e_pad(E))
+                g, router, grad_x, N, D, E, BLOCK_ROWS=ROUTER_BLOCK_ROWS, BLOCK_COLS=ROUTER_BLOCK_COLS)
         if ctx.needs_input_grad[1]:
             chunks = triton.cdiv(N, ROUTER_CHUNK_ROWS)
             partial = torch.empty(chunks, D, _router_e_pad(E), dtype=torch.float32, device=x.device)

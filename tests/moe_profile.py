@@ -1,7 +1,8 @@
 """Where does one MoE layer step go, beyond its six expert GEMMs? One GPU run (about a minute) profiles a forward +
 backward at the moe4b shape (16,384 tokens, D 3072, FF 4096, 8 experts, top-2, bf16) for the library capacity arm
 (what `auto` runs) and for torch.compile of the capacity reference, and prints each arm's GPU kernels grouped
-as GEMMs and the rest, summed over 5 profiled steps after warm-up. Writes $OUT/moe_profile.json when OUT is set.
+as GEMMs and the rest, per step (5 profiled steps after warm-up). Then it times the Triton router's forward and
+backward at that shape over its block sizes, against PyTorch's fp32 product. Writes $OUT/moe_profile.json.
 `python tests/moe_profile.py` on a GPU."""
 import json, os, sys
 from collections import defaultdict
@@ -28,6 +29,26 @@ def profile_arm(step):
             kernels[e.name][1] += 1
     return {name: dict(ms=ms, calls=calls // STEPS) for name, (ms, calls) in kernels.items()}
 
+def router_sweep(x):
+    "Forward and backward ms of the router's logits at x's shape: PyTorch's fp32 product, then the Triton kernels per block size."
+    from rtrainer.kernels import median_ms
+    r = (torch.randn(x.shape[1], 8, device="cuda") * 0.02).requires_grad_()
+    xg = x.clone().requires_grad_()
+    g = torch.randn(x.shape[0], 8, device="cuda")
+    arms = {"torch fp32 (RouterLogits)": (moe.RouterLogits.apply, {})}
+    for rows, cols in ((16, 64), (32, 64), (64, 64), (64, 32), (128, 32), (32, 128)):
+        arms[f"triton rows {rows} cols {cols}"] = (moe.router_logits_triton, {"ROUTER_BLOCK_ROWS": rows, "ROUTER_BLOCK_COLS": cols})
+    rows_out = []
+    print(f"\n{'router logits':30s} {'fwd ms':>8s} {'bwd ms':>8s}")
+    for name, (fn, knobs) in arms.items():
+        with knob_values(moe, knobs):
+            fwd = median_ms(lambda: fn(xg, r))
+            logits = fn(xg, r)
+            bwd = median_ms(lambda: torch.autograd.grad(logits, (xg, r), g, retain_graph=True))
+        rows_out.append(dict(arm=name, fwd_ms=fwd, bwd_ms=bwd, **knobs))
+        print(f"{name:30s} {fwd:8.4f} {bwd:8.4f}")
+    return rows_out
+
 def main():
     if not torch.cuda.is_available(): sys.exit("moe_profile: needs a CUDA GPU")
     N, D, FF, E, k = 16_384, 3072, 4096, 8, 2
@@ -49,6 +70,7 @@ def main():
         print(f"\n== {arm}: kernels {gemm + rest:.3f} ms per step = GEMMs {gemm:.3f} + other {rest:.3f}")
         for name, v in sorted(kernels.items(), key=lambda kv: -kv[1]["ms"])[:28]:
             print(f"  {v['ms']:7.3f} ms  x{v['calls']:<3d} {'GEMM ' if is_gemm(name) else '     '}{name[:110]}")
+    out["router_sweep"] = router_sweep(x.detach())
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "moe_profile.json"), "w") as f: json.dump(out, f, indent=1)
 

@@ -93,6 +93,11 @@ def test_bf16_layer_close_to_float64(dispatch, backend):
     fast = MoeFeedForward(D, FF, E, k, dispatch=dispatch, shared_expert_d_ff=256, impl="triton", dtype=torch.bfloat16, device="cuda")
     oracle = MoeFeedForward(D, FF, E, k, dispatch=dispatch, shared_expert_d_ff=256, impl="torch", dtype=torch.float64, device="cuda")
     with torch.no_grad():
+        # Logits spread wide (std about 11): a top-k decision at a near-tie flips with the fp32 summation order, and
+        # under capacity dispatch one flip reshuffles who overflows (measured: one flipped token out of 4,000 at the
+        # default std of 0.02 gave y an error of 1.3e-2). This test is about the layer's bf16 arithmetic; the router's
+        # own accuracy is test_router_logits_triton_bf16_moe4b_shape's.
+        fast.router.normal_(std=0.5)
         for p64, p in zip(oracle.parameters(), fast.parameters()): p64.copy_(p.double())
     x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16).requires_grad_()
     x64 = x.detach().double().requires_grad_()
@@ -104,6 +109,7 @@ def test_bf16_layer_close_to_float64(dispatch, backend):
         y = fast(x); ((y.double() * probe).sum() + 0.37 * fast.last_stats["load_balance_loss"].double()).backward()
     if backend != "auto": assert used[:2] == (backend, backend), used
     y64 = oracle(x64); ((y64 * probe).sum() + 0.37 * oracle.last_stats["load_balance_loss"]).backward()
+    assert torch.equal(fast.last_stats["expert_load"], oracle.last_stats["expert_load"].float())   # routed alike: the same load per expert
     errors = dict(y=rel(y, y64), x=rel(x.grad, x64.grad),
                   **{n: rel(gradient_fp32(p), p64.grad) for (n, p), p64 in zip(fast.named_parameters(), oracle.parameters())})
     print(dispatch, backend, used, errors)
