@@ -337,7 +337,7 @@ def combine_rows_triton(src, assignment_rows, weights=None, out_dtype=None):
 
 # %% ../nbs/03_moe.ipynb #98d4d899
 ROUTER_BLOCK_ROWS = 32      # rows of x per program (logits, dx)
-ROUTER_BLOCK_COLS = 64      # columns of x per step (logits) or per program (dx, drouter)
+ROUTER_BLOCK_COLS = 128     # columns of x per step (logits) or per program (dx, drouter)
 ROUTER_CHUNK_ROWS = 512     # rows summed by one drouter program before it writes its partial (a multiple of ROUTER_BLOCK_ROWS)
 
 @triton.jit
