@@ -886,34 +886,36 @@ def _arm_backends(dispatch, impl, knobs, dtype):
     with knob_values(MOE_KNOBS, knobs): return expert_backends(dtype, "cuda", uniform_groups=dispatch == "capacity")
 
 def benchmark_suite(quick=False, rounds=5):
-    "One MoE layer forward + backward at the moe4b shape: every arm of BENCHMARK_ARMS, time and memory, vs torch.compile."
+    """One MoE layer forward + backward at the moe4b shape: every arm of BENCHMARK_ARMS, time and memory, vs torch.compile.
+    quick: a small shape, and no max-autotune arm (its compile alone takes about two minutes)."""
     if not torch.cuda.is_available(): raise RuntimeError("benchmark_suite: needs a CUDA GPU")
+    arms = {name: arm for name, arm in BENCHMARK_ARMS.items() if not (quick and COMPILE_MODES.get(name, "default") != "default")}
     N, D, FF, E, k = (4096, 1024, 1024, 8, 2) if quick else (16_384, 3072, 4096, 8, 2)
     dev, dt = "cuda", torch.bfloat16
     torch.manual_seed(0)
     x = torch.randn(N, D, device=dev, dtype=dt).requires_grad_()
     grad_y = torch.randn(N, D, device=dev, dtype=dt)
     layers = {name: MoeFeedForward(D, FF, E, k, dispatch=dispatch, impl=impl, dtype=dt, device=dev)
-              for name, (dispatch, impl, _) in BENCHMARK_ARMS.items()}
-    base_name = next(iter(BENCHMARK_ARMS))
+              for name, (dispatch, impl, _) in arms.items()}
+    base_name = next(iter(arms))
     with torch.no_grad():
         for layer in layers.values():
             for p, p0 in zip(layer.parameters(), layers[base_name].parameters()): p.copy_(p0)
-    compiled = {name: torch.compile(layers[name], mode=mode) for name, mode in COMPILE_MODES.items()}
+    compiled = {name: torch.compile(layers[name], mode=mode) for name, mode in COMPILE_MODES.items() if name in arms}
     def make_step(name):
-        layer, knobs = layers[name], BENCHMARK_ARMS[name][2]
+        layer, knobs = layers[name], arms[name][2]
         module, params = compiled.get(name, layer), list(layer.parameters())
         def step():
             with knob_values(MOE_KNOBS, knobs): _moe_layer_step(module, x, grad_y, params)
         return step
-    steps = {name: make_step(name) for name in BENCHMARK_ARMS}
+    steps = {name: make_step(name) for name in arms}
     first_call_s, peaks, saved_bytes = {}, {}, {}
     for name, fn in steps.items():                    # compile, autotune, warm the allocator; first call timed apart
         t0 = time.perf_counter(); fn(); torch.cuda.synchronize(); first_call_s[name] = time.perf_counter() - t0
         fn()
         peaks[name] = peak_bytes(fn)
         if name not in compiled:
-            layer, knobs = layers[name], BENCHMARK_ARMS[name][2]
+            layer, knobs = layers[name], arms[name][2]
             start_gradient_step(layer.parameters())
             with knob_values(MOE_KNOBS, knobs):
                 saved_bytes[name], y = saved_tensor_bytes(lambda: layer(x), exclude=list(layer.parameters()))
@@ -931,7 +933,7 @@ def benchmark_suite(quick=False, rounds=5):
     best_compile = min(compiled, key=lambda name: sum(times[name]))
     rows = []
     for name, ts in times.items():
-        dispatch, impl, knobs = BENCHMARK_ARMS[name]
+        dispatch, impl, knobs = arms[name]
         backends = _arm_backends(dispatch, impl, knobs, dt)
         mean = sum(ts) / len(ts)
         _, low, high = ratio_interval([b / t for b, t in zip(times[base_name], ts)])     # paired by round
@@ -954,7 +956,7 @@ def benchmark_suite(quick=False, rounds=5):
                         dropless_over_capacity_time=by_arm["triton dropless"]["ms"] / by_arm["triton capacity"]["ms"],
                         library_dropless_over_capacity_time=by_arm["library dropless"]["ms"] / by_arm["library capacity"]["ms"],
                         per_expert_dropless_over_capacity_time=by_arm["per-expert dropless"]["ms"] / by_arm["library capacity"]["ms"],
-                        auto_picks=auto_picks, compile_modes=COMPILE_MODES, best_compile_arm=best_compile,
+                        auto_picks=auto_picks, compile_modes={name: COMPILE_MODES[name] for name in compiled}, best_compile_arm=best_compile,
                         target_ms=by_arm[best_compile]["ms"] / 1.15,
                         library_support={op: list(v) for op, v in library_support(dev).items()},
                         recompute_in_backward=RECOMPUTE_IN_BACKWARD, rounds=rounds)

@@ -194,7 +194,9 @@ def test_layer_never_waits_for_the_host(dispatch, backend):
 def test_benchmark_suite_quick_runs():
     path = benchmark_suite(quick=True, rounds=2)
     res = load_results("moe_quick")
-    assert res is not None and len(res["rows"]) == len(BENCHMARK_ARMS) == 8 and all(r["ms"] > 0 for r in res["rows"]), path
+    quick_arms = [name for name in BENCHMARK_ARMS if moe.COMPILE_MODES.get(name, "default") == "default"]   # no max-autotune
+    assert res is not None and [r["arm"] for r in res["rows"]] == quick_arms and len(quick_arms) == 8, path
+    assert all(r["ms"] > 0 for r in res["rows"]) and res["compile_modes"] == {"torch.compile capacity": "default"}
     assert res["per_expert_dropless_over_capacity_time"] > 0 and res["library_dropless_over_capacity_time"] > 0
     assert all(r["peak_step_gib"] > 0 for r in res["rows"]) and all(r["saved_gib"] > 0 for r in res["rows"][1:])
     assert set(res["auto_picks"]) == {"capacity", "dropless"} and all(p["arm"] for p in res["auto_picks"].values()), res["auto_picks"]
