@@ -18,7 +18,7 @@ __all__ = ['GROUPED_GEMM_BLOCK_M', 'ROW_BLOCK', 'ROUTER_BLOCK_ROWS', 'ROUTER_BLO
            'RoutingPlan', 'capacity_plan', 'dropless_plan', 'host_group_bounds', 'MoeExperts', 'moe_experts_triton',
            'MoeFeedForward', 'moe_parameter_count', 'naive_moe_loop', 'check_moe_against_loop',
            'compare_triton_to_torch', 'check_empty_expert', 'saved_tensor_bytes', 'expert_saved_bytes',
-           'accumulation_gradients', 'benchmark_suite']
+           'accumulation_gradients', 'benchmark_arms', 'benchmark_suite']
 
 # %% ../nbs/03_moe.ipynb #d120d79d
 import math, os, sys, time
@@ -885,11 +885,15 @@ def _arm_backends(dispatch, impl, knobs, dtype):
     if impl == "torch": return None
     with knob_values(MOE_KNOBS, knobs): return expert_backends(dtype, "cuda", uniform_groups=dispatch == "capacity")
 
+def benchmark_arms(quick=False):
+    "The arms benchmark_suite times: every arm of BENCHMARK_ARMS, less the compiled ones other than default mode when quick."
+    return {name: arm for name, arm in BENCHMARK_ARMS.items() if not (quick and COMPILE_MODES.get(name, "default") != "default")}
+
 def benchmark_suite(quick=False, rounds=5):
     """One MoE layer forward + backward at the moe4b shape: every arm of BENCHMARK_ARMS, time and memory, vs torch.compile.
     quick: a small shape, and no max-autotune arm (its compile alone takes about two minutes)."""
     if not torch.cuda.is_available(): raise RuntimeError("benchmark_suite: needs a CUDA GPU")
-    arms = {name: arm for name, arm in BENCHMARK_ARMS.items() if not (quick and COMPILE_MODES.get(name, "default") != "default")}
+    arms = benchmark_arms(quick)
     N, D, FF, E, k = (4096, 1024, 1024, 8, 2) if quick else (16_384, 3072, 4096, 8, 2)
     dev, dt = "cuda", torch.bfloat16
     torch.manual_seed(0)

@@ -4,7 +4,7 @@ import pytest, torch
 import rtrainer.moe as moe
 from rtrainer.moe import (MoeFeedForward, compare_triton_to_torch, grouped_gemm_triton, grouped_gemm_weight_grad_triton,
                           grouped_gemm_reference, grouped_gemm_library, grouped_gemm_weight_grad_library, library_support,
-                          expert_backends, check_empty_expert, benchmark_suite, BENCHMARK_ARMS, grouped_gemm_per_expert,
+                          expert_backends, check_empty_expert, benchmark_suite, grouped_gemm_per_expert,
                           grouped_gemm_weight_grad_per_expert)
 from rtrainer.kernels import start_gradient_step, gradient_fp32, load_results, knob_values
 
@@ -194,8 +194,7 @@ def test_layer_never_waits_for_the_host(dispatch, backend):
 def test_benchmark_suite_quick_runs():
     path = benchmark_suite(quick=True, rounds=2)
     res = load_results("moe_quick")
-    quick_arms = [name for name in BENCHMARK_ARMS if moe.COMPILE_MODES.get(name, "default") == "default"]   # no max-autotune
-    assert res is not None and [r["arm"] for r in res["rows"]] == quick_arms and len(quick_arms) == 8, path
+    assert res is not None and [r["arm"] for r in res["rows"]] == list(moe.benchmark_arms(quick=True)), path   # no max-autotune
     assert all(r["ms"] > 0 for r in res["rows"]) and res["compile_modes"] == {"torch.compile capacity": "default"}
     assert res["per_expert_dropless_over_capacity_time"] > 0 and res["library_dropless_over_capacity_time"] > 0
     assert all(r["peak_step_gib"] > 0 for r in res["rows"]) and all(r["saved_gib"] > 0 for r in res["rows"][1:])
