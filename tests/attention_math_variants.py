@@ -1,17 +1,19 @@
 """Fourth round on flash attention against cuDNN (H200): fewer instructions per score instead of new memory paths.
 The forward at head dim 64 issues, per score element, about as many exp2 (16 per clock per SM) and FP32 ALU
 instructions as its two matmuls take on the tensor cores, so every instruction saved per element counts.
-  fwd baseline   rtrainer's autotuned flash_attention_forward
-  fwd fold       the row maximum taken on the raw scores (scale > 0 commutes with max), so the exponent's
-                 argument is one fused multiply-add instead of a multiply then a subtract
+  fwd baseline   rtrainer's autotuned flash_attention_forward. Since commit 119919f it is the "fold" variant of
+                 the recorded run (commit c3ac51a): the row maximum taken on the raw scores (scale > 0 commutes
+                 with max), so the exponent's argument is one fused multiply-add instead of a multiply then a
+                 subtract. The recorded run timed the forward as it was before, as its own arm.
   fwd lazy       fold, and the running maximum moves only when some row's maximum grew by more than 2^8 (in
                  log2 units, TAU = 8): the accumulator's rescale (HEAD_DIM/BLOCK_N multiplies per score) is
                  skipped on most blocks; probabilities then reach at most 2^8, harmless in fp32 sums and bf16
   bwd baseline   rtrainer's flash_attention_backward: dK/dV kernel over key blocks, dQ kernel over query blocks
                  (7 matmuls per tile pair: the dQ kernel recomputes the scores and dP)
   bwd atomic     one kernel over key blocks computes dK, dV and adds each tile's dQ into an fp32 buffer with
-                 atomic adds (5 matmuls per tile pair); the preprocess zeroes that buffer, a cast makes dQ bf16.
-                 Summation order of dQ then varies from run to run.
+                 atomic adds (5 matmuls per tile pair), then a cast makes dQ bf16. Summation order of dQ then
+                 varies from run to run. (The recorded run zeroed the buffer inside the preprocess kernel; this
+                 script uses rtrainer's preprocess and torch.zeros, one more pass over the fp32 buffer.)
 Each variant is checked against a float64 reference (bf16, causal, GQA, T off every tile), then timed against
 SDPA's cuDNN backend at the four reference shapes, arms alternating over 3 rounds; last, the best forward plus the
 best backward is timed as one step against cuDNN's forward + backward.
@@ -24,7 +26,8 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention_variants import reference, one_line                    # float64 reference (o, lse), error lines
 from rtrainer.attention import (flash_attention_forward, flash_attention_backward, attention_flops, LOG2_E,
-                                _query_block, FORWARD_CONFIGS, DKDV_CONFIGS, REFERENCE_ATTENTION_SHAPES, PREPROCESS_BLOCK)
+                                _query_block, FORWARD_CONFIGS, REFERENCE_ATTENTION_SHAPES, PREPROCESS_BLOCK,
+                                flash_backward_preprocess_kernel)
 from rtrainer.kernels import median_ms, relative_error, INTERPRETING
 
 TIME_GUARD_S = 420
@@ -35,9 +38,10 @@ T_START = time.time()
 
 # ------------------------------------------------------------------------------------------------------- forward
 @triton.jit
-def _fold_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, q_pos, lo, hi, T, scale_log2,
-                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, LAZY: tl.constexpr,
+def _lazy_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, q_pos, lo, hi, T, scale_log2,
+                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, TAU: tl.constexpr,
                 PRECISION: tl.constexpr):
+    "rtrainer's _forward_inner, with the rescale skipped unless some row's maximum grew by more than 2^TAU."
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
         k_pos = start_n + tl.arange(0, BLOCK_N)
@@ -52,13 +56,7 @@ def _fold_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, q_pos, l
         if MASKED:
             s = tl.where((k_pos[None, :] < T) & (q_pos[:, None] >= k_pos[None, :]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
-        if LAZY:
-            if tl.max(m_new - m_i, 0) > 8.0:                               # TAU
-                alpha = tl.math.exp2(m_i - m_new)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-        else:
+        if tl.max(m_new - m_i, 0) > TAU:                                   # one branch for the whole block
             alpha = tl.math.exp2(m_i - m_new)
             acc = acc * alpha[:, None]
             l_i = l_i * alpha
@@ -69,10 +67,10 @@ def _fold_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, q_pos, l
     return acc, m_i, l_i
 
 @triton.jit
-def fold_forward_kernel(
+def lazy_forward_kernel(                                # rtrainer's flash_forward_kernel (causal) over _lazy_inner
     Q, K, V, O, LSE, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, H, T, GROUP, scale_log2,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LAZY: tl.constexpr, PRECISION: tl.constexpr):
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAU: tl.constexpr, PRECISION: tl.constexpr):
     start_m, b, h, kvh, q_pos, offs_d = _query_block(H, GROUP, BLOCK_M, HEAD_DIM)
     q = tl.load(Q + b * stride_qb + h * stride_qh + q_pos[:, None] * stride_qt + offs_d[None, :],
                 mask=q_pos[:, None] < T, other=0.0)
@@ -81,44 +79,29 @@ def fold_forward_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    acc, m_i, l_i = _fold_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, q_pos, 0, start_m, T,
-                                scale_log2, BLOCK_N, HEAD_DIM, False, LAZY, PRECISION)
-    acc, m_i, l_i = _fold_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, q_pos, start_m,
-                                tl.minimum(start_m + BLOCK_M, T), T, scale_log2, BLOCK_N, HEAD_DIM, True, LAZY, PRECISION)
+    acc, m_i, l_i = _lazy_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, q_pos, 0, start_m, T,
+                                scale_log2, BLOCK_N, HEAD_DIM, False, TAU, PRECISION)
+    acc, m_i, l_i = _lazy_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, q_pos, start_m,
+                                tl.minimum(start_m + BLOCK_M, T), T, scale_log2, BLOCK_N, HEAD_DIM, True, TAU, PRECISION)
     acc = acc / l_i[:, None]
     tl.store(O + b * stride_ob + h * stride_oh + q_pos[:, None] * stride_ot + offs_d[None, :],
              acc.to(O.dtype.element_ty), mask=q_pos[:, None] < T)
     tl.store(LSE + (b * H + h) * T + q_pos, (m_i + tl.math.log2(l_i)) / 1.4426950408889634, mask=q_pos < T)
 
-_fold_tuned = fold_forward_kernel if INTERPRETING else triton.autotune(FORWARD_CONFIGS, key=["HEAD_DIM", "LAZY"])(fold_forward_kernel)
+_lazy_tuned = lazy_forward_kernel if INTERPRETING else triton.autotune(FORWARD_CONFIGS, key=["HEAD_DIM"])(lazy_forward_kernel)
 
-def fold_forward(q, k, v, o=None, lse=None, *, lazy=False, config=None):
-    "Causal forward with the folded exponent (and the lazy rescale); returns (o, lse) like flash_attention_forward."
+def lazy_forward(q, k, v, o=None, lse=None, *, config=None):
+    "Causal forward with the lazy rescale; returns (o, lse) like flash_attention_forward."
     B, T, H, hd = q.shape
     o = torch.empty_like(q) if o is None else o
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32) if lse is None else lse
-    launch = fold_forward_kernel if config else _fold_tuned
+    launch = lazy_forward_kernel if config else _lazy_tuned
     launch[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)](
         q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H, T, H // k.shape[2],
-        LOG2_E / math.sqrt(hd), HEAD_DIM=hd, LAZY=lazy, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **(config or {}))
+        LOG2_E / math.sqrt(hd), HEAD_DIM=hd, TAU=TAU, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **(config or {}))
     return o, lse
 
 # ------------------------------------------------------------------------------------------------------ backward
-@triton.jit
-def atomic_preprocess_kernel(O, DO, DELTA, DQ_ACC, stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh,
-                             H, T, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    "delta = rowsum(do * o), and the fp32 dQ buffer (B,T,H,hd contiguous) zeroed at the same rows."
-    pos = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    bh = tl.program_id(1)
-    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
-    offs_d = tl.arange(0, HEAD_DIM)
-    rows = pos[:, None] < T
-    o = tl.load(O + b * stride_ob + h * stride_oh + pos[:, None] * stride_ot + offs_d[None, :], mask=rows, other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + pos[:, None] * stride_dot + offs_d[None, :], mask=rows, other=0.0)
-    tl.store(DELTA + bh.to(tl.int64) * T + pos, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=pos < T)
-    tl.store(DQ_ACC + ((b * T + pos[:, None]) * H + h) * HEAD_DIM + offs_d[None, :],
-             tl.zeros([BLOCK, HEAD_DIM], tl.float32), mask=rows)
-
 @triton.jit
 def _atomic_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, stride_qt, stride_dot, stride_dqt,
                   k_pos, lo, hi, T, scale_log2, sm_scale, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -192,9 +175,9 @@ def atomic_backward(do, q, k, v, o, lse, dq=None, dk=None, dv=None, *, tma=False
     KV = k.shape[2]
     sm_scale = 1.0 / math.sqrt(hd)
     delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
-    dq_acc = torch.empty(B, T, H, hd, device=q.device, dtype=torch.float32)
-    atomic_preprocess_kernel[(triton.cdiv(T, PREPROCESS_BLOCK), B * H)](
-        o, do, delta, dq_acc, *o.stride()[:3], *do.stride()[:3], H, T, HEAD_DIM=hd, BLOCK=PREPROCESS_BLOCK)
+    dq_acc = torch.zeros(B, T, H, hd, device=q.device, dtype=torch.float32)
+    flash_backward_preprocess_kernel[(triton.cdiv(T, PREPROCESS_BLOCK), B * H)](
+        o, do, delta, *o.stride()[:3], *do.stride()[:3], H, T, HEAD_DIM=hd, BLOCK=PREPROCESS_BLOCK)
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     launch = atomic_backward_kernel if config else _atomic_tuned
@@ -207,8 +190,7 @@ def atomic_backward(do, q, k, v, o, lse, dq=None, dk=None, dv=None, *, tma=False
     return dq, dk, dv
 
 FORWARDS = {"fwd baseline": lambda q, k, v, o=None, lse=None: flash_attention_forward(q, k, v, True, o, lse),
-            "fwd fold": lambda q, k, v, o=None, lse=None: fold_forward(q, k, v, o, lse),
-            "fwd lazy": lambda q, k, v, o=None, lse=None: fold_forward(q, k, v, o, lse, lazy=True)}
+            "fwd lazy": lambda q, k, v, o=None, lse=None: lazy_forward(q, k, v, o, lse)}
 BACKWARDS = {"bwd baseline": lambda do, q, k, v, o, lse: flash_attention_backward(do, q, k, v, o, lse, True),
              "bwd atomic": lambda do, q, k, v, o, lse: atomic_backward(do, q, k, v, o, lse),
              "bwd atomic tma": lambda do, q, k, v, o, lse: atomic_backward(do, q, k, v, o, lse, tma=True)}
@@ -245,16 +227,17 @@ def cpu_check():
     for B, T, H, KV, hd in ((1, 37, 4, 2, 16), (2, 37, 4, 2, 32), (1, 50, 3, 3, 16), (2, 5, 2, 1, 16)):
         q, k, v, do = torch.randn(B, T, H, hd), torch.randn(B, T, KV, hd), torch.randn(B, T, KV, hd), torch.randn(B, T, H, hd)
         ref = reference_grads(q, k, v, do)
-        for lazy in (False, True):
+        for fname, fwd in (("baseline", FORWARDS["fwd baseline"]),
+                           ("lazy", lambda q, k, v, o, lse: lazy_forward(q, k, v, o, lse, config=cfg_f))):
             for name, bwd in (("baseline bwd", BACKWARDS["bwd baseline"]),
                               ("atomic bwd", lambda *a: atomic_backward(*a, config=cfg_b))):   # (the interpreter has no TMA reduce)
-                e = errors(q, k, v, do, lambda q, k, v, o, lse: fold_forward(q, k, v, o, lse, lazy=lazy, config=cfg_f), bwd, ref)
+                e = errors(q, k, v, do, fwd, bwd, ref)
                 worst = max(worst, *e.values())
-                print(f"B{B} T{T} H{H} KV{KV} hd{hd} {'lazy' if lazy else 'fold'} + {name}: " + " ".join(f"{n} {x:.1e}" for n, x in e.items()))
+                print(f"B{B} T{T} H{H} KV{KV} hd{hd} {fname} + {name}: " + " ".join(f"{n} {x:.1e}" for n, x in e.items()))
         # the lazy rescale must also hold when maxima grow block after block (scores rising along the keys)
         k_rising = k + torch.linspace(0, 20, T)[None, :, None, None]
         ref = reference_grads(q, k_rising, v, do)
-        e = errors(q, k_rising, v, do, lambda q, k, v, o, lse: fold_forward(q, k, v, o, lse, lazy=True, config=cfg_f),
+        e = errors(q, k_rising, v, do, lambda q, k, v, o, lse: lazy_forward(q, k, v, o, lse, config=cfg_f),
                    lambda *a: atomic_backward(*a, config=cfg_b), ref)
         worst = max(worst, *e.values())
         print(f"  rising keys, lazy + atomic: " + " ".join(f"{n} {x:.1e}" for n, x in e.items()))
@@ -284,7 +267,7 @@ def gpu_main():
     from rtrainer import attention as A
     payload["configs"] = {name: {str(key): str(cfg) for key, cfg in kernel.cache.items()} for name, kernel in
                           (("baseline forward", A._forward_launch), ("baseline dkdv", A._dkdv_launch), ("baseline dq", A._dq_launch),
-                           ("fold/lazy forward", _fold_tuned), ("atomic backward", _atomic_tuned))}
+                           ("lazy forward", _lazy_tuned), ("atomic backward", _atomic_tuned))}
     for name, cfgs in payload["configs"].items(): print(name, cfgs)
     ok = {}
     for hd, (B, T, H, KV) in CHECK_SHAPES.items():
