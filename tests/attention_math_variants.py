@@ -12,8 +12,8 @@ instructions as its two matmuls take on the tensor cores, so every instruction s
                  (7 matmuls per tile pair: the dQ kernel recomputes the scores and dP)
   bwd atomic     one kernel over key blocks computes dK, dV and adds each tile's dQ into an fp32 buffer with
                  atomic adds (5 matmuls per tile pair), then a cast makes dQ bf16. Summation order of dQ then
-                 varies from run to run. (The recorded run zeroed the buffer inside the preprocess kernel; this
-                 script uses rtrainer's preprocess and torch.zeros, one more pass over the fp32 buffer.)
+                 varies from run to run. (The recorded run computed delta = rowsum(dO * O) and zeroed the buffer
+                 in one preprocess kernel; this script computes delta with torch and zeroes with torch.zeros.)
 Each variant is checked against a float64 reference (bf16, causal, GQA, T off every tile), then timed against
 SDPA's cuDNN backend at the four reference shapes, arms alternating over 3 rounds; last, the best forward plus the
 best backward is timed as one step against cuDNN's forward + backward.
@@ -26,8 +26,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention_variants import reference, one_line                    # float64 reference (o, lse), error lines
 from rtrainer.attention import (flash_attention_forward, flash_attention_backward, attention_flops, LOG2_E,
-                                _query_block, FORWARD_CONFIGS, REFERENCE_ATTENTION_SHAPES, PREPROCESS_BLOCK,
-                                flash_backward_preprocess_kernel)
+                                _query_block, FORWARD_CONFIGS, REFERENCE_ATTENTION_SHAPES)
 from rtrainer.kernels import median_ms, relative_error, INTERPRETING
 
 TIME_GUARD_S = 420
@@ -174,10 +173,8 @@ def atomic_backward(do, q, k, v, o, lse, dq=None, dk=None, dv=None, *, tma=False
     B, T, H, hd = q.shape
     KV = k.shape[2]
     sm_scale = 1.0 / math.sqrt(hd)
-    delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
+    delta = (o.float() * do.float()).sum(-1).transpose(1, 2).contiguous()     # (B, H, T) fp32, rowsum(dO * O)
     dq_acc = torch.zeros(B, T, H, hd, device=q.device, dtype=torch.float32)
-    flash_backward_preprocess_kernel[(triton.cdiv(T, PREPROCESS_BLOCK), B * H)](
-        o, do, delta, *o.stride()[:3], *do.stride()[:3], H, T, HEAD_DIM=hd, BLOCK=PREPROCESS_BLOCK)
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     launch = atomic_backward_kernel if config else _atomic_tuned
