@@ -629,6 +629,7 @@ class MoeExperts(torch.autograd.Function):
         ctx.gate_up, ctx.down, ctx.capacity = gate_up, down, plan.capacity
         ctx.backends, ctx.block_m, ctx.write_main_grad = backends, block_m, write_main_grad
         ctx.group_bounds = bounds                                              # the backward reuses them: no second sync
+        ctx.hidden_overwritten = False
         return y
 
     @staticmethod
@@ -645,24 +646,29 @@ class MoeExperts(torch.autograd.Function):
         grad_out, dot = gather_rows_triton(grad_y.contiguous(), token_of_row, scale=row_scale, other=expert_out)   # (R, D)
         grad_weights = torch.zeros(N * top_k + 1, dtype=torch.float32, device=x.device)
         grad_weights.scatter_(0, torch.where(valid, plan.row_assignment, N * top_k), dot)   # unused rows -> dummy slot
-        # 2. down: weight gradient from the rebuilt SwiGLU output, then the gradient of that output
-        act = kept[1] if kept else swiglu_forward(hidden)                      # (R, FF) the forward's bits again
+        # 2. down's input gradient
+        grad_act = _expert_gemm(grad_out, down.transpose(1, 2), plan, backends, block_m, bounds)   # (R, FF)
+        # 3. SwiGLU: with recompute, d_hidden over hidden and the forward's output (the same bits) over d_act
+        if kept: act, grad_hidden = kept[1], swiglu_backward(grad_act, hidden)
+        else:
+            if ctx.hidden_overwritten:
+                raise RuntimeError("MoeExperts: a second backward through the same forward (retain_graph=True) is not "
+                                   "supported: the first overwrote the saved hidden with its gradient")
+            grad_hidden, act = swiglu_backward(grad_act, hidden, dgate_up=hidden, out=grad_act), grad_act
+            ctx.hidden_overwritten = True
+        del grad_act, hidden
+        # 4. down's weight gradient
         grad_down = (_expert_weight_grad(act, grad_out, down, plan, backends, ctx.write_main_grad, bounds)
                      if ctx.needs_input_grad[3] else None)
-        del act
-        grad_act = _expert_gemm(grad_out, down.transpose(1, 2), plan, backends, block_m, bounds)   # (R, FF)
-        del grad_out
-        # 3. SwiGLU
-        grad_hidden = swiglu_backward(grad_act, hidden)                         # (R, 2FF)
-        del grad_act
-        # 4. gate_up: weight gradient from the rows gathered again, then the rows' gradient
+        del act, grad_out
+        # 5. gate_up: weight gradient from the rows gathered again, then the rows' gradient
         rows = kept[0] if kept else gather_rows_triton(x, plan.row_token)[0]   # (R, D)
         grad_gate_up = (_expert_weight_grad(rows, grad_hidden, gate_up, plan, backends, ctx.write_main_grad, bounds)
                         if ctx.needs_input_grad[2] else None)
         del rows
         grad_rows = _expert_gemm(grad_hidden, gate_up.transpose(1, 2), plan, backends, block_m, bounds)   # (R, D)
         del grad_hidden
-        # 5. permute: each token sums the gradients of its k rows
+        # 6. permute: each token sums the gradients of its k rows
         grad_x = combine_rows_triton(grad_rows, plan.assignment_rows)          # (N, D)
         return grad_x, grad_weights[:-1].view(N, top_k).to(weights.dtype), grad_gate_up, grad_down, None, None, None, None
 

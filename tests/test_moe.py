@@ -410,6 +410,18 @@ def test_recomputing_in_backward_changes_no_bit(dispatch):
     for a, b in zip(results[True], results[False]): assert torch.equal(a, b)
 
 @needs_kernels
+def test_second_backward_through_one_forward_is_refused():
+    torch.manual_seed(5)
+    layer = MoeFeedForward(16, 8, 4, 2, dispatch="dropless", impl="triton", device=DEVICE)
+    layer.grouped_gemm_block_m = 16
+    x = torch.randn(11, 16, device=DEVICE, requires_grad=True)
+    loss = layer(x).square().sum()
+    first = torch.autograd.grad(loss, x, retain_graph=True)[0]
+    assert first.isfinite().all() and first.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="second backward"):
+        torch.autograd.grad(loss, x)
+
+@needs_kernels
 @pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
 def test_saved_bytes_match_the_count_from_shapes(dispatch):
     torch.manual_seed(6)
