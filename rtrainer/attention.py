@@ -8,9 +8,9 @@ Docs: https://example.invalid/rtrainer/rtrainer/attention.html.md"""
 __all__ = ['SUPPORTED_HEAD_DIMS', 'INTERPRET_BLOCK_M', 'INTERPRET_BLOCK_N', 'LOG2_E', 'FORWARD_CONFIGS', 'DQ_CONFIGS',
            'DKDV_CONFIGS', 'AUTOTUNE_KEY', 'FP32_CONFIGS', 'REFERENCE_ATTENTION_SHAPES', 'SWEEP_LENGTHS',
            'SWEEP_TOKENS', 'SWEEP_HEADS', 'SDPA_BACKENDS', 'BENCHMARK_ROUNDS', 'attention_reference', 'attention_sdpa',
-           'flash_forward_kernel', 'flash_backward_dkdv_kernel', 'flash_backward_dq_kernel', 'flash_attention_forward',
-           'flash_attention_backward', 'FlashAttentionFunction', 'flash_attention', 'fused_qkv_views',
-           'attention_parity_errors', 'attention_flops', 'benchmark_suite']
+           'flash_forward_kernel', 'flash_backward_dkdv_kernel', 'flash_backward_dq_kernel', 'candidate_configs',
+           'flash_attention_forward', 'flash_attention_backward', 'FlashAttentionFunction', 'flash_attention',
+           'fused_qkv_views', 'attention_parity_errors', 'attention_flops', 'benchmark_suite']
 
 # %% ../nbs/02_attention.ipynb #63301f7a
 import math, os
@@ -234,9 +234,12 @@ def flash_backward_dq_kernel(
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None])
 
 # %% ../nbs/02_attention.ipynb #6bc5e1b5
-# Three or four candidates per kernel (BLOCK_M, BLOCK_N, warps, stages[, maxnreg]), from a sweep of 14, 12 and 14
-# configs at the four reference shapes on the H200 (tests/attention_configs.py, "Fifth round" at the end): each
-# list holds the config that was fastest or within 1% of it at every shape of a head dim, and a runner-up.
+# Candidates per kernel and head dim, (BLOCK_M, BLOCK_N, warps, stages[, maxnreg]), from a sweep of 14, 12 and 14
+# configs at the four reference shapes on the H200 (tests/attention_configs.py, "Fifth round" at the end). At head
+# dim 64 each kernel has one config, fastest or within 1% of it at all three shapes; at 128 (one shape measured) the
+# two that tied. Head dims 16 and 32 take 64's. One candidate per head dim where the sweep was clear matters because
+# the tuning is not keyed on the shape: with several, the first call's shape picks for every later one (the GPU
+# parity test, run first at B 2, picked configs that made rb100m's backward 7% slower in the same process).
 def _configs(candidates):
     "(BLOCK_M, BLOCK_N, warps, stages[, register cap per thread]) -> triton.Config list."
     return [triton.Config({"BLOCK_M": c[0], "BLOCK_N": c[1]}, num_warps=c[2], num_stages=c[3], maxnreg=c[4] if len(c) > 4 else None)
@@ -244,11 +247,14 @@ def _configs(candidates):
 
 # A register cap (maxnreg) of 168 per thread lets three 4-warp programs share an SM's 64K registers; at head dim 64
 # it made the dK/dV 32 x 64 tile the fastest at the three shapes (at 128 it spills and the uncapped ones win).
-# dK/dV's 64 x 64 tile is left out on purpose: it was fastest at rb100m by 0.6%, but 8% slower at prof183m and
-# moe4b, and the tuning is not keyed on the shape, so whichever shape tunes first would decide for the others.
-FORWARD_CONFIGS = _configs([(64, 64, 4, 3), (64, 64, 4, 3, 168), (128, 64, 8, 3), (128, 64, 8, 2, 128)])   # BLOCK_M % BLOCK_N == 0
-DQ_CONFIGS = _configs([(64, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3)])                            # BLOCK_M % BLOCK_N == 0
-DKDV_CONFIGS = _configs([(32, 64, 4, 3, 168), (32, 64, 4, 3), (32, 64, 4, 4)])                      # BLOCK_N % BLOCK_M == 0
+# dK/dV's 64 x 64 tile is left out on purpose: it was fastest at rb100m by 0.6%, but 8% slower at prof183m and moe4b.
+FORWARD_CONFIGS = {64: [(64, 64, 4, 3)], 128: [(64, 64, 4, 3), (64, 64, 4, 3, 168)]}      # BLOCK_M % BLOCK_N == 0
+DQ_CONFIGS = {64: [(64, 32, 4, 3)], 128: [(64, 32, 4, 3), (128, 64, 8, 3)]}              # BLOCK_M % BLOCK_N == 0
+DKDV_CONFIGS = {64: [(32, 64, 4, 3, 168)], 128: [(32, 64, 4, 3), (32, 64, 4, 4)]}        # BLOCK_N % BLOCK_M == 0
+def candidate_configs(candidates, head_dim):
+    "One kernel's triton.Config candidates at `head_dim` (head dims 16 and 32 take 64's)."
+    return _configs(candidates[128 if head_dim > 64 else 64])
+
 # Tuned once per head dim, causality and dtype (the autotuner adds the tensors' dtypes to the key), not per
 # sequence length: a training run uses one T, and re-tuning 3-4 configs x 3 kernels for every odd T of the parity
 # tests took minutes of compilation on the H200 (measured: the GPU parity run stalled here).
@@ -257,12 +263,17 @@ AUTOTUNE_KEY = ["HEAD_DIM", "CAUSAL"]
 if INTERPRETING:
     _forward_launch, _dq_launch, _dkdv_launch = flash_forward_kernel, flash_backward_dq_kernel, flash_backward_dkdv_kernel
 else:
-    _forward_launch = triton.autotune(FORWARD_CONFIGS, key=AUTOTUNE_KEY)(flash_forward_kernel)
-    _dq_launch = triton.autotune(DQ_CONFIGS, key=AUTOTUNE_KEY)(flash_backward_dq_kernel)
-    _dkdv_launch = triton.autotune(DKDV_CONFIGS, key=AUTOTUNE_KEY)(flash_backward_dkdv_kernel)
+    def _autotuned(kernel, candidates):
+        "kernel under triton.autotune, timing only the candidates of the launch's head dim."
+        this_head_dim = lambda configs, named_args, **kwargs: candidate_configs(candidates, kwargs["HEAD_DIM"])
+        return triton.autotune([c for hd in candidates for c in candidate_configs(candidates, hd)], key=AUTOTUNE_KEY,
+                               prune_configs_by={"early_config_prune": this_head_dim})(kernel)
+    _forward_launch = _autotuned(flash_forward_kernel, FORWARD_CONFIGS)
+    _dq_launch = _autotuned(flash_backward_dq_kernel, DQ_CONFIGS)
+    _dkdv_launch = _autotuned(flash_backward_dkdv_kernel, DKDV_CONFIGS)
 
 # fp32 (IEEE dot products) serves the parity tests and the fp32 policy, whose speed is no target: it runs one fixed config per kernel
-# instead of autotuning four (the autotuner's fp32 compiles took about 100 s per head dim on the H200). Each fits
+# instead of autotuning (the autotuner's fp32 compiles took about 100 s per head dim on the H200). Each fits
 # in shared memory at head dim 128 (at most 107 KB, compiled for sm_90) and keeps the kernel's block constraints.
 FP32_CONFIGS = {"forward": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
                 "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),

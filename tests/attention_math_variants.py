@@ -26,7 +26,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention_variants import reference, one_line                    # float64 reference (o, lse), error lines
 from rtrainer.attention import (flash_attention_forward, flash_attention_backward, attention_flops, LOG2_E,
-                                _query_block, FORWARD_CONFIGS, REFERENCE_ATTENTION_SHAPES)
+                                _query_block, FORWARD_CONFIGS, REFERENCE_ATTENTION_SHAPES, candidate_configs)
 from rtrainer.kernels import median_ms, relative_error, INTERPRETING
 
 TIME_GUARD_S = 420
@@ -87,7 +87,8 @@ def lazy_forward_kernel(                                # rtrainer's flash_forwa
              acc.to(O.dtype.element_ty), mask=q_pos[:, None] < T)
     tl.store(LSE + (b * H + h) * T + q_pos, (m_i + tl.math.log2(l_i)) / 1.4426950408889634, mask=q_pos < T)
 
-_lazy_tuned = lazy_forward_kernel if INTERPRETING else triton.autotune(FORWARD_CONFIGS, key=["HEAD_DIM"])(lazy_forward_kernel)
+_lazy_tuned = lazy_forward_kernel if INTERPRETING else triton.autotune(
+    [c for hd in FORWARD_CONFIGS for c in candidate_configs(FORWARD_CONFIGS, hd)], key=["HEAD_DIM"])(lazy_forward_kernel)
 
 def lazy_forward(q, k, v, o=None, lse=None, *, config=None):
     "Causal forward with the lazy rescale; returns (o, lse) like flash_attention_forward."
