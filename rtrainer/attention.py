@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from .kernels import register_op, at_least_fp32, INTERPRETING, KERNELS_CAN_RUN, relative_error, median_ms, save_results, load_results, show_results
+from .kernels import register_op, at_least_fp32, INTERPRETING, KERNELS_CAN_RUN, relative_error, median_ms, ratio_interval, save_results, load_results, show_results
 
 # %% ../nbs/02_attention.ipynb #d990e9b7
 def attention_reference(q, k, v, causal=True):
@@ -460,6 +460,9 @@ def _bench_shape(label, B, H, KV, T, hd, rounds, rep_ms, device="cuda"):
                          hd=hd, fwd_ms=fwd, bwd_ms=bwd, fwd_bwd_ms=both, fwd_tflops=flops / fwd / 1e9,
                          bwd_tflops=2.5 * flops / bwd / 1e9, fwd_bwd_tflops=3.5 * flops / both / 1e9))
     rows[0]["speedup_vs_sdpa"] = rows[1]["fwd_bwd_ms"] / rows[0]["fwd_bwd_ms"]
+    round_ratios = [s[2] / f[2] for f, s in zip(times["flash"], times[best])]      # paired by round, forward + backward
+    _, low, high = ratio_interval(round_ratios)
+    rows[0].update(round_ratios=round_ratios, speedup_ci95_low=low, speedup_ci95_high=high)
     rows[1]["sdpa_fwd_bwd_ms_by_backend"] = speeds
     rows[1]["sdpa_refused"] = tried
     if not INTERPRETING:
