@@ -6,14 +6,24 @@ Configs are compiled first in parallel worker processes (Triton's on-disk cache 
 every config is checked against the autotuned package path on the shape it is timed at, and the arms of one kernel
 alternate over ROUNDS rounds. A config that does not compile (shared memory) or disagrees is listed, not timed.
 `python tests/attention_configs.py` on a GPU (writes $OUT/attention_configs.json when OUT is set; ATTN_CONFIG_KERNELS=
-forward,dq limits the kernels); `python tests/attention_configs.py --list` prints the candidates on any machine."""
+forward,dq limits the kernels; ATTN_CONFIG_SHAPES=rb100m,T8192 picks the shapes: reference names, or T<length> for the
+benchmark's sweep heads at that length); `python tests/attention_configs.py --list` prints the candidates and shapes."""
 import json, math, os, statistics, sys, time
 from concurrent.futures import ProcessPoolExecutor
 import multiprocessing as mp
 
 ROUNDS = 3
 WORKERS = 12
-SHAPES = ("rb100m", "prof183m", "dense1b", "moe4b")
+SHAPES = tuple(os.environ.get("ATTN_CONFIG_SHAPES", "rb100m,prof183m,dense1b,moe4b").split(","))
+
+def shape_dims(shape):
+    "(B, H, KV, T, hd) of a reference shape's name, or of 'T<length>': the sweep's heads at 32K tokens per batch."
+    from rtrainer.attention import REFERENCE_ATTENTION_SHAPES, SWEEP_TOKENS, SWEEP_HEADS
+    if shape in REFERENCE_ATTENTION_SHAPES: return REFERENCE_ATTENTION_SHAPES[shape]
+    if shape.startswith("T") and shape[1:].isdigit():
+        T = int(shape[1:]); H, KV, hd = SWEEP_HEADS
+        return max(1, SWEEP_TOKENS // T), H, KV, T, hd
+    raise ValueError(f"attention_configs: unknown shape {shape!r}: use {list(REFERENCE_ATTENTION_SHAPES)} or T<length>")
 # (BLOCK_M, BLOCK_N, warps, stages, maxnreg or None). forward and dQ need BLOCK_M % BLOCK_N == 0, dK/dV BLOCK_N % BLOCK_M == 0.
 # A cap of 128 lets two 8-warp programs (or four 4-warp ones) share an SM's 64K registers; 168 lets three 4-warp ones.
 CANDIDATES = {
@@ -38,8 +48,8 @@ def config_name(c):
 
 def inputs(shape, device="cuda"):
     import torch
-    from rtrainer.attention import REFERENCE_ATTENTION_SHAPES, fused_qkv_views, flash_attention_forward
-    B, H, KV, T, hd = REFERENCE_ATTENTION_SHAPES[shape]
+    from rtrainer.attention import fused_qkv_views, flash_attention_forward
+    B, H, KV, T, hd = shape_dims(shape)
     torch.manual_seed(0)
     q, k, v = fused_qkv_views(B, T, H, KV, hd, torch.bfloat16, device)
     do = torch.randn(B, T, H, hd, dtype=torch.bfloat16, device=device)
@@ -91,9 +101,10 @@ def main():
     kernels = [k for k in os.environ.get("ATTN_CONFIG_KERNELS", "forward,dq,dkdv").split(",") if k]
     if "--list" in sys.argv:
         for k in kernels: print(k, [config_name(c) for c in CANDIDATES[k] if valid(k, c)])
+        print("shapes", {s: shape_dims(s) for s in SHAPES})
         return
     import torch
-    from rtrainer.attention import flash_attention_forward, flash_attention_backward, attention_flops, REFERENCE_ATTENTION_SHAPES
+    from rtrainer.attention import flash_attention_backward, attention_flops
     from rtrainer.kernels import median_ms, relative_error
     t_start = time.time()
     # every shape: Triton specializes integer arguments (H divisible by 16, a group of 1), so shapes share few binaries
@@ -103,13 +114,13 @@ def main():
     with ProcessPoolExecutor(WORKERS, mp_context=mp.get_context("spawn")) as pool:
         for result in pool.map(compile_some, chunks):
             for (k, c, s), err in result:
-                if err: failed[(k, c, REFERENCE_ATTENTION_SHAPES[s][4])] = err
+                if err: failed[(k, c, shape_dims(s)[4])] = err
     print(f"compiled {len(jobs)} kernels in {time.time() - t_start:.0f} s; {len(failed)} failed", flush=True)
     for key, err in failed.items(): print("  failed:", key[0], config_name(key[1]), f"hd{key[2]}", err)
     rows, checks = [], []
     for shape in SHAPES:
         t = inputs(shape)
-        B, H, KV, T, hd = REFERENCE_ATTENTION_SHAPES[shape]
+        B, H, KV, T, hd = shape_dims(shape)
         ref_dq, ref_dk, ref_dv = flash_attention_backward(t["do"], t["q"], t["k"], t["v"], t["o"], t["lse"], True)
         ref_delta = (t["o"].float() * t["do"].float()).sum(-1).transpose(1, 2)
         flops = attention_flops(B, H, T, hd, True)
