@@ -251,13 +251,14 @@ def _configs(candidates):
 FORWARD_CONFIGS = {64: [(64, 64, 4, 3)], 128: [(64, 64, 4, 3), (64, 64, 4, 3, 168)]}      # BLOCK_M % BLOCK_N == 0
 DQ_CONFIGS = {64: [(64, 32, 4, 3)], 128: [(64, 32, 4, 3), (128, 64, 8, 3)]}              # BLOCK_M % BLOCK_N == 0
 DKDV_CONFIGS = {64: [(32, 64, 4, 3, 168)], 128: [(32, 64, 4, 3), (32, 64, 4, 4)]}        # BLOCK_N % BLOCK_M == 0
+
 def candidate_configs(candidates, head_dim):
     "One kernel's triton.Config candidates at `head_dim` (head dims 16 and 32 take 64's)."
     return _configs(candidates[128 if head_dim > 64 else 64])
 
 # Tuned once per head dim, causality and dtype (the autotuner adds the tensors' dtypes to the key), not per
-# sequence length: a training run uses one T, and re-tuning 3-4 configs x 3 kernels for every odd T of the parity
-# tests took minutes of compilation on the H200 (measured: the GPU parity run stalled here).
+# sequence length: a training run uses one T, and re-tuning the (then 4 or 5) configs of 3 kernels for every odd T
+# of the parity tests took minutes of compilation on the H200 (measured: the GPU parity run stalled here).
 AUTOTUNE_KEY = ["HEAD_DIM", "CAUSAL"]
 
 if INTERPRETING:
