@@ -9,8 +9,9 @@ __all__ = ['SUPPORTED_HEAD_DIMS', 'INTERPRET_BLOCK_M', 'INTERPRET_BLOCK_N', 'LOG
            'DKDV_CONFIGS', 'AUTOTUNE_KEY', 'FP32_CONFIGS', 'REFERENCE_ATTENTION_SHAPES', 'SWEEP_LENGTHS',
            'SWEEP_TOKENS', 'SWEEP_HEADS', 'SDPA_BACKENDS', 'BENCHMARK_ROUNDS', 'attention_reference', 'attention_sdpa',
            'flash_forward_kernel', 'flash_backward_dkdv_kernel', 'flash_backward_dq_kernel', 'candidate_configs',
-           'flash_attention_forward', 'flash_attention_backward', 'FlashAttentionFunction', 'flash_attention',
-           'fused_qkv_views', 'attention_parity_errors', 'attention_flops', 'benchmark_suite']
+           'flash_attention_forward', 'flash_backward_dq', 'flash_backward_dkdv', 'flash_attention_backward',
+           'FlashAttentionFunction', 'flash_attention', 'fused_qkv_views', 'attention_parity_errors', 'attention_flops',
+           'benchmark_suite']
 
 # %% ../nbs/02_attention.ipynb #63301f7a
 import math, os
@@ -284,8 +285,9 @@ _PLAIN = dict(forward=flash_forward_kernel, dq=flash_backward_dq_kernel, dkdv=fl
 _TUNED = dict(forward=_forward_launch, dq=_dq_launch, dkdv=_dkdv_launch)
 _INTERPRET_CONFIG = dict(BLOCK_M=INTERPRET_BLOCK_M, BLOCK_N=INTERPRET_BLOCK_N)
 
-def _launcher(kernel, dtype):
-    "(launcher, explicit meta-parameters) for 'forward' | 'dq' | 'dkdv': autotuned for 16-bit inputs on the GPU, fixed otherwise."
+def _launcher(kernel, dtype, config=None):
+    "(launcher, meta-parameters) for 'forward' | 'dq' | 'dkdv': the caller's `config` if given, else autotuned or fixed."
+    if config is not None: return _PLAIN[kernel], config
     if INTERPRETING: return _PLAIN[kernel], _INTERPRET_CONFIG
     if dtype == torch.float32: return _PLAIN[kernel], FP32_CONFIGS[kernel]
     return _TUNED[kernel], {}
@@ -312,8 +314,8 @@ def _output(buf, shape, like, name, dtype=None):
 
 def _precision(dtype): return "ieee" if dtype == torch.float32 else "tf32"
 
-def flash_attention_forward(q, k, v, causal=True, o=None, lse=None):
-    "Forward kernel: returns (o (B,T,H,hd) in q's dtype, lse (B,H,T) fp32, natural log); `o`/`lse` may be given."
+def flash_attention_forward(q, k, v, causal=True, o=None, lse=None, config=None):
+    "Forward kernel: returns (o (B,T,H,hd) in q's dtype, lse (B,H,T) fp32, natural log); `o`/`lse`/`config` may be given."
     _check_inputs(q, k, v)
     q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
     B, T, H, hd = q.shape
@@ -322,30 +324,43 @@ def flash_attention_forward(q, k, v, causal=True, o=None, lse=None):
     lse = _output(lse, (B, H, T), q, "lse", torch.float32)
     sm_scale = 1.0 / math.sqrt(hd)
     grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)
-    launch, config = _launcher("forward", q.dtype)
+    launch, config = _launcher("forward", q.dtype, config)
     launch[grid](q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
                  H, T, H // KV, sm_scale * LOG2_E, HEAD_DIM=hd, CAUSAL=causal, PRECISION=_precision(q.dtype), **config)
     return o, lse
 
-def flash_attention_backward(do, q, k, v, o, lse, causal=True, dq=None, dk=None, dv=None):
-    "Backward kernels: dQ over query blocks (it also stores delta = rowsum(dO * O)), then dK/dV over key blocks; (dq, dk, dv)."
+def flash_backward_dq(do, q, k, v, o, lse, causal=True, dq=None, delta=None, config=None):
+    "The dQ kernel: returns (dq (B,T,H,hd), delta (B,H,T) fp32 = rowsum(dO * O), which it stores for dK/dV)."
     do, q, k, v, o = (_unit_stride(t) for t in (do, q, k, v, o))
     B, T, H, hd = q.shape
-    KV = k.shape[2]
-    sm_scale = 1.0 / math.sqrt(hd)
-    delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
+    KV, sm_scale = k.shape[2], 1.0 / math.sqrt(hd)
     dq = _output(dq, (B, T, H, hd), q, "dq")
+    delta = _output(delta, (B, H, T), q, "delta", torch.float32)
+    launch, config = _launcher("dq", q.dtype, config)
+    launch[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)](
+        q, k, v, o, do, lse, delta, dq, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+        *do.stride()[:3], *dq.stride()[:3], H, T, H // KV, sm_scale * LOG2_E, sm_scale,
+        HEAD_DIM=hd, CAUSAL=causal, PRECISION=_precision(q.dtype), **config)
+    return dq, delta
+
+def flash_backward_dkdv(do, q, k, v, lse, delta, causal=True, dk=None, dv=None, config=None):
+    "The dK/dV kernel, from the delta the dQ kernel stored: returns (dk, dv), (B,T,KV,hd) each."
+    do, q, k, v = (_unit_stride(t) for t in (do, q, k, v))
+    B, T, H, hd = q.shape
+    KV, sm_scale = k.shape[2], 1.0 / math.sqrt(hd)
     dk = _output(dk, (B, T, KV, hd), k, "dk")
     dv = _output(dv, (B, T, KV, hd), v, "dv")
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
-    launch, config = _launcher("dq", q.dtype)
-    launch[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)](
-        q, k, v, o, do, lse, delta, dq, *strides, *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
-        H, T, H // KV, sm_scale * LOG2_E, sm_scale, HEAD_DIM=hd, CAUSAL=causal, PRECISION=_precision(q.dtype), **config)
-    launch, config = _launcher("dkdv", q.dtype)       # reads the delta the dQ kernel stored
+    launch, config = _launcher("dkdv", q.dtype, config)
     launch[lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * KV)](
-        q, k, v, do, lse, delta, dk, dv, *strides, *do.stride()[:3], *dk.stride()[:3], H, KV, T, H // KV,
-        sm_scale * LOG2_E, sm_scale, HEAD_DIM=hd, CAUSAL=causal, PRECISION=_precision(q.dtype), **config)
+        q, k, v, do, lse, delta, dk, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
+        *dk.stride()[:3], H, KV, T, H // KV, sm_scale * LOG2_E, sm_scale,
+        HEAD_DIM=hd, CAUSAL=causal, PRECISION=_precision(q.dtype), **config)
+    return dk, dv
+
+def flash_attention_backward(do, q, k, v, o, lse, causal=True, dq=None, dk=None, dv=None):
+    "Backward kernels: dQ over query blocks (it also stores delta = rowsum(dO * O)), then dK/dV over key blocks; (dq, dk, dv)."
+    dq, delta = flash_backward_dq(do, q, k, v, o, lse, causal, dq)
+    dk, dv = flash_backward_dkdv(do, q, k, v, lse, delta, causal, dk, dv)
     return dq, dk, dv
 
 class FlashAttentionFunction(torch.autograd.Function):

@@ -8,7 +8,7 @@ alternate over ROUNDS rounds. A config that does not compile (shared memory) or 
 `python tests/attention_configs.py` on a GPU (writes $OUT/attention_configs.json when OUT is set; ATTN_CONFIG_KERNELS=
 forward,dq limits the kernels; ATTN_CONFIG_SHAPES=rb100m,T8192 picks the shapes: reference names, or T<length> for the
 benchmark's sweep heads at that length); `python tests/attention_configs.py --list` prints the candidates and shapes."""
-import json, math, os, statistics, sys, time
+import json, os, statistics, sys, time
 from concurrent.futures import ProcessPoolExecutor
 import multiprocessing as mp
 
@@ -60,34 +60,18 @@ def inputs(shape, device="cuda"):
     do = torch.randn(B, T, H, hd, dtype=torch.bfloat16, device=device)
     o, lse = flash_attention_forward(q, k, v, True)
     return dict(q=q, k=k, v=v, do=do, o=o, lse=lse, delta=torch.empty(B, H, T, device=device, dtype=torch.float32),
-                dq=torch.empty_like(q), dk=torch.empty(B, T, KV, hd, dtype=q.dtype, device=device),
-                dv=torch.empty(B, T, KV, hd, dtype=q.dtype, device=device), out=torch.empty_like(q),
-                lse_out=torch.empty_like(lse), B=B, H=H, KV=KV, T=T, hd=hd)
+                dq=torch.empty(B, T, H, hd, dtype=q.dtype, device=device), dk=torch.empty(B, T, KV, hd, dtype=q.dtype, device=device),
+                dv=torch.empty(B, T, KV, hd, dtype=q.dtype, device=device), out=torch.empty(B, T, H, hd, dtype=q.dtype, device=device),
+                lse_out=torch.empty_like(lse))
 
 def launch(kernel, c, t):
-    "One launch of `kernel` with config c on the tensors t (the dQ launch also writes delta for dK/dV)."
-    import triton
-    from rtrainer.attention import (flash_forward_kernel, flash_backward_dq_kernel, flash_backward_dkdv_kernel, LOG2_E)
-    q, k, v, do, o, lse = t["q"], t["k"], t["v"], t["do"], t["o"], t["lse"]
-    B, H, KV, T, hd = t["B"], t["H"], t["KV"], t["T"], t["hd"]
-    sm_scale = 1.0 / math.sqrt(hd)
-    meta = dict(BLOCK_M=c[0], BLOCK_N=c[1], num_warps=c[2], num_stages=c[3], HEAD_DIM=hd, CAUSAL=True, PRECISION="tf32")
-    if c[4]: meta["maxnreg"] = c[4]
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
-    if kernel == "forward":
-        out = t["out"]
-        flash_forward_kernel[(triton.cdiv(T, c[0]), B * H)](q, k, v, out, t["lse_out"], *strides, *out.stride()[:3],
-                                                           H, T, H // KV, sm_scale * LOG2_E, **meta)
-    elif kernel == "dq":
-        dq = t["dq"]
-        flash_backward_dq_kernel[(triton.cdiv(T, c[0]), B * H)](q, k, v, o, do, lse, t["delta"], dq, *strides, *o.stride()[:3],
-                                                              *do.stride()[:3], *dq.stride()[:3], H, T, H // KV,
-                                                              sm_scale * LOG2_E, sm_scale, **meta)
-    else:
-        dk, dv = t["dk"], t["dv"]
-        flash_backward_dkdv_kernel[(triton.cdiv(T, c[1]), B * KV)](q, k, v, do, lse, t["delta"], dk, dv, *strides,
-                                                                 *do.stride()[:3], *dk.stride()[:3], H, KV, T, H // KV,
-                                                                 sm_scale * LOG2_E, sm_scale, **meta)
+    "One launch of `kernel` with config c on the tensors t, through rtrainer's launchers (dQ also writes delta for dK/dV)."
+    from rtrainer.attention import flash_attention_forward, flash_backward_dq, flash_backward_dkdv
+    config = dict(BLOCK_M=c[0], BLOCK_N=c[1], num_warps=c[2], num_stages=c[3], **({"maxnreg": c[4]} if c[4] else {}))
+    q, k, v, do = t["q"], t["k"], t["v"], t["do"]
+    if kernel == "forward": flash_attention_forward(q, k, v, True, o=t["out"], lse=t["lse_out"], config=config)
+    elif kernel == "dq": flash_backward_dq(do, q, k, v, t["o"], t["lse"], True, dq=t["dq"], delta=t["delta"], config=config)
+    else: flash_backward_dkdv(do, q, k, v, t["lse"], t["delta"], True, dk=t["dk"], dv=t["dv"], config=config)
 
 def compile_some(jobs):
     "Worker: launch each (kernel, config, shape) once so that Triton compiles and caches it; [(job, error or '')]."
