@@ -114,11 +114,12 @@ register_op("swiglu", "torch", swiglu_reference)
 register_op("embedding", "torch", embedding_reference)
 
 # %% ../nbs/01_kernels.ipynb #5b74bf00
-def start_gradient_step(params):
-    "Mark every fp32 gradient buffer so the next write overwrites it (no zero-fill); clear autograd grads."
+def start_gradient_step(params, release=False):
+    "Mark every fp32 gradient buffer so the next write overwrites it (no zero-fill), or free it (`release`); clear autograd grads."
     for p in params:
         p.main_grad_written = False
         p.grad = None
+        if release: p.main_grad = None
 
 def main_grad_for_write(param):
     "(fp32 buffer, overwrite) for a kernel about to write param's gradient; call `mark_main_grad_written` after."

@@ -102,7 +102,9 @@ class AdamW:
         self.exp_avg, self.exp_avg_sq = {}, {}          # name -> fp32 moment, created at the first gradient
         self.step_count = 0
 
-    def zero_grad(self): start_gradient_step(self.params)
+    def zero_grad(self):
+        "Start a step: free the fp32 gradient buffers (the backward's first writes allocate them again) and clear .grad."
+        start_gradient_step(self.params, release=True)
 
     def gradients(self):
         "[(index, fp32 gradient)] for every parameter that has a gradient this step."

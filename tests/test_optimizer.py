@@ -325,3 +325,18 @@ def test_device_tables_cache_validates_only_new_entries():
     def bad(): raise ValueError("bad tensor")
     with pytest.raises(ValueError, match="bad tensor"): _tables([[1], [2]], "cpu", bad)
     with pytest.raises(ValueError, match="bad tensor"): _tables([[1], [2]], "cpu", bad)   # a failed check caches nothing
+
+def test_zero_grad_frees_the_fp32_gradient_buffers_and_the_next_step_starts_clean():
+    (name, p), = named(("w.weight", (6, 5), torch.bfloat16), seed=11)
+    opt = AdamW([(name, p)], lr=1e-2, weight_decay=0.0, impl="torch")
+    g = [torch.randn(6, 5, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    opt.zero_grad()
+    accumulate_main_grad(p, g[0]); accumulate_main_grad(p, g[1])      # two micro-batches: one buffer, summed
+    assert torch.allclose(opt.gradients()[0][1], g[0] + g[1], atol=1e-6)
+    opt.step()
+    buffer = p.main_grad
+    opt.zero_grad()                                                     # between steps: no gradient memory held
+    assert p.main_grad is None and opt.gradients() == [] and opt.grad_norm().item() == 0.0
+    del buffer
+    accumulate_main_grad(p, g[2])                                       # next step: a fresh buffer, last step's sum gone
+    assert p.main_grad.dtype == torch.float32 and torch.equal(opt.gradients()[0][1], g[2])
