@@ -150,16 +150,17 @@ def main():
                    total_s=time.time() - t_start)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "attention_configs.json"), "w") as f: json.dump(payload, f, indent=1)
-    print(f"\n{'shape':9} {'kernel':8} {'best config':22} {'ms':>7} {'best of rtrainer list':22} {'ms':>7}")
-    from rtrainer.attention import FORWARD_CONFIGS, DQ_CONFIGS, DKDV_CONFIGS
-    names = {k: {config_name((*c, None)[:5]) for cs in candidates.values() for c in cs}     # rtrainer's candidates, any head dim
-             for k, candidates in (("forward", FORWARD_CONFIGS), ("dq", DQ_CONFIGS), ("dkdv", DKDV_CONFIGS))}
+    print(f"\n{'shape':9} {'kernel':8} {'best config':22} {'ms':>7} {'rtrainer runs':22} {'ms':>7}")
+    from rtrainer.attention import tuned_config
     for shape in SHAPES:
+        _, _, _, T, hd = shape_dims(shape)
         for kernel in kernels:
             rs = sorted((r for r in rows if r["shape"] == shape and r["kernel"] == kernel), key=lambda r: r["ms"])
             if not rs: continue
-            listed = [r for r in rs if r["config"] in names[kernel]]
-            lb = listed[0] if listed else dict(config="-", ms=float("nan"))
+            c = tuned_config(kernel, hd, T)
+            ours = config_name((c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"], c.get("maxnreg")))
+            listed = [r for r in rs if r["config"] == ours]
+            lb = listed[0] if listed else dict(config=ours + " (not swept)", ms=float("nan"))
             print(f"{shape:9} {kernel:8} {rs[0]['config']:22} {rs[0]['ms']:7.3f} {lb['config']:22} {lb['ms']:7.3f}")
     print(f"total {time.time() - t_start:.0f} s")
 

@@ -26,7 +26,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention_variants import reference, one_line                    # float64 reference (o, lse), error lines
 from rtrainer.attention import (flash_attention_forward, flash_attention_backward, attention_flops, LOG2_E,
-                                _query_block, FORWARD_CONFIGS, REFERENCE_ATTENTION_SHAPES, candidate_configs)
+                                _query_block, TUNED_CONFIGS, REFERENCE_ATTENTION_SHAPES, tuned_config)
 from rtrainer.kernels import median_ms, relative_error, INTERPRETING
 
 TIME_GUARD_S = 420
@@ -87,8 +87,9 @@ def lazy_forward_kernel(                                # rtrainer's flash_forwa
              acc.to(O.dtype.element_ty), mask=q_pos[:, None] < T)
     tl.store(LSE + (b * H + h) * T + q_pos, (m_i + tl.math.log2(l_i)) / 1.4426950408889634, mask=q_pos < T)
 
-_lazy_tuned = lazy_forward_kernel if INTERPRETING else triton.autotune(
-    [c for hd in FORWARD_CONFIGS for c in candidate_configs(FORWARD_CONFIGS, hd)], key=["HEAD_DIM"])(lazy_forward_kernel)
+_lazy_tuned = lazy_forward_kernel if INTERPRETING else triton.autotune(   # the configs rtrainer's forward runs, any head dim or length
+    [triton.Config({"BLOCK_M": c[0], "BLOCK_N": c[1]}, num_warps=c[2], num_stages=c[3], maxnreg=c[4])
+     for c in sorted(set(TUNED_CONFIGS["forward"].values()), key=str)], key=["HEAD_DIM"])(lazy_forward_kernel)
 
 def lazy_forward(q, k, v, o=None, lse=None, *, config=None):
     "Causal forward with the lazy rescale; returns (o, lse) like flash_attention_forward."
@@ -262,10 +263,10 @@ def gpu_main():
             except Exception as e: payload["notes"].append(f"{bname} at {label}: {one_line(e)}")
         torch.cuda.synchronize()
         print(f"tuned at {label} ({elapsed():.0f} s)", flush=True)
-    from rtrainer import attention as A
     payload["configs"] = {name: {str(key): str(cfg) for key, cfg in kernel.cache.items()} for name, kernel in
-                          (("baseline forward", A._forward_launch), ("baseline dkdv", A._dkdv_launch), ("baseline dq", A._dq_launch),
-                           ("lazy forward", _lazy_tuned), ("atomic backward", _atomic_tuned))}
+                          (("lazy forward", _lazy_tuned), ("atomic backward", _atomic_tuned))}
+    payload["configs"].update({f"baseline {k}": {f"hd {hd} T {T}": str(tuned_config(k, hd, T)) for _, _, _, T, hd in REFERENCE_ATTENTION_SHAPES.values()}
+                               for k in ("forward", "dkdv", "dq")})
     for name, cfgs in payload["configs"].items(): print(name, cfgs)
     ok = {}
     for hd, (B, T, H, KV) in CHECK_SHAPES.items():

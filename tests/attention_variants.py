@@ -252,7 +252,7 @@ def gpu_main():
         B, H, KV, T, hd = TIME_SHAPES[name]
         flash_attention_forward(*(torch.randn(B, T, n, hd, device=dev, dtype=bf16) for n in (H, KV, KV)))
     from rtrainer import attention as A
-    payload["notes"].append(f"baseline forward config after autotuning: {getattr(A._forward_launch, 'best_config', '?')}")
+    payload["notes"].append(f"baseline forward configs: {[A.tuned_config('forward', hd, T) for _, _, _, T, hd in TIME_SHAPES.values()]}")
     print(payload["notes"][-1], f"({elapsed():.0f} s)", flush=True)
 
     # ---- correctness: every variant at the check shape of each head dim it serves

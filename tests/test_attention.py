@@ -76,3 +76,17 @@ def test_explicit_configs_match_float64_reference():
         err = attention.relative_error(got, want)
         print(name, f"{err:.1e}")
         assert got.isfinite().all() and err < 1e-4, (name, err)
+
+def test_tuned_config_picks_by_head_dim_and_length():
+    L = attention.LONG_SEQUENCE
+    short64, long64 = (attention.tuned_config("dkdv", 64, T) for T in (L - 1, L))
+    assert short64 == dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=168)
+    assert long64 == dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)        # no register cap
+    assert attention.tuned_config("forward", 16, 4 * L) == attention.tuned_config("forward", 64, 4 * L)   # 16 and 32 take 64's
+    assert attention.tuned_config("forward", 64, L)["num_warps"] == 8 and attention.tuned_config("forward", 64, 1024)["num_warps"] == 4
+    for kernel in ("forward", "dq", "dkdv"):
+        for hd in attention.SUPPORTED_HEAD_DIMS:
+            for T in (1, 1024, L - 1, L, 8192):
+                c = attention.tuned_config(kernel, hd, T)
+                m, n = c["BLOCK_M"], c["BLOCK_N"]
+                assert (n % m if kernel == "dkdv" else m % n) == 0, (kernel, hd, T, c)
