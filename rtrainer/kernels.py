@@ -114,6 +114,8 @@ register_op("swiglu", "torch", swiglu_reference)
 register_op("embedding", "torch", embedding_reference)
 
 # %% ../nbs/01_kernels.ipynb #5b74bf00
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")   # read at CUDA's first allocation
+
 def start_gradient_step(params, release=False):
     "Mark every fp32 gradient buffer so the next write overwrites it (no zero-fill), or free it (`release`); clear autograd grads."
     for p in params:

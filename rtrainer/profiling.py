@@ -583,7 +583,10 @@ def run_arm(spec):
         _sync(device); seconds = time.perf_counter() - t0
         values = [float(l) for l in losses]
         result.update(step_ms=seconds / spec["steps"] * 1e3, census=census(), cuda_graphs=cuda_graphs_recorded())
-        if device.type == "cuda": result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        if device.type == "cuda":
+            result.update(peak_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30,
+                          peak_reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30,
+                          allocator=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
         if not all(math.isfinite(v) for v in values):
             result["status"] = f"rejected: non-finite loss in the timed window ({values})"
             return result
