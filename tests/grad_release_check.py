@@ -13,6 +13,7 @@ VARIANTS = {   # name: (keep the buffers between steps, PYTORCH_CUDA_ALLOC_CONF)
     "keep": (True, ""),
     "release + expandable segments": (False, "expandable_segments:True"),
 }
+if os.environ.get("RELEASE_VARIANTS"): VARIANTS = {n: VARIANTS[n] for n in os.environ["RELEASE_VARIANTS"].split(",")}
 CODE = """
 import json, sys, torch
 import rtrainer.kernels as K, rtrainer.optimizer as O
