@@ -8,9 +8,9 @@ import json, os, statistics, subprocess, sys, time
 
 CONFIG = os.environ.get("RELEASE_CONFIG", "moe4b")
 ROUNDS = int(os.environ.get("RELEASE_ROUNDS", "1"))
-VARIANTS = {   # name: (keep the buffers between steps, PYTORCH_CUDA_ALLOC_CONF)
-    "release": (False, ""),
-    "keep": (True, ""),
+VARIANTS = {   # name: (keep the buffers between steps, PYTORCH_CUDA_ALLOC_CONF; rtrainer's import defaults it to expandable segments)
+    "release": (False, "expandable_segments:False"),
+    "keep": (True, "expandable_segments:False"),
     "release + expandable segments": (False, "expandable_segments:True"),
 }
 if os.environ.get("RELEASE_VARIANTS"): VARIANTS = {n: VARIANTS[n] for n in os.environ["RELEASE_VARIANTS"].split(",")}
@@ -31,8 +31,7 @@ def run(name):
     from rtrainer.model import REFERENCE_BATCH
     spec = dict(arm="rtrainer", config=CONFIG, overrides={}, batch_size=REFERENCE_BATCH.get(CONFIG, 8), seq_len=1024 if CONFIG in REFERENCE_BATCH else 64, warmup=3, steps=4, peak_tflops=989.4)
     env = dict(os.environ)
-    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    if alloc: env["PYTORCH_CUDA_ALLOC_CONF"] = alloc
+    env["PYTORCH_CUDA_ALLOC_CONF"] = alloc
     r = subprocess.run([sys.executable, "-c", CODE, json.dumps(spec), "keep" if keep else "release"], capture_output=True, text=True, env=env, timeout=240)
     found = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
     return json.loads(found[-1][7:]) if found else dict(status=f"failed (exit {r.returncode}): {r.stderr[-400:]}")
