@@ -15,6 +15,7 @@ CASES = [  # B, T, H, KV, hd, dtype, causal
     (1, 300, 6, 3, 128, torch.float32, True),
     (1, 200, 6, 2, 64, torch.bfloat16, False),     # non-causal
     (1, 200, 6, 2, 64, torch.float16, True),
+    (1, 4099, 4, 2, 64, torch.bfloat16, True),     # from LONG_SEQUENCE on: the long-sequence configs, T not a multiple of any tile
 ]
 
 @pytest.mark.parametrize("B,T,H,KV,hd,dtype,causal", CASES)
