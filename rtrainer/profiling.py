@@ -635,7 +635,9 @@ def versus(config="tiny", tiers=("eager", "default"), rounds=3, steps=10, warmup
         for arm in alternation(arms, r):
             res = run_arm_process(dict(base, arm=arm), timeout=timeout) if isolate else run_arm(dict(base, arm=arm))
             results[arm].append(res)
-            what = f"{res['tokens_per_s']:,.0f} tokens/s, compile {res.get('compile_s', 0):.1f} s" if res.get("tokens_per_s") else res.get("status")
+            memory = f", peak {res['peak_memory_gib']:.1f} GiB" if res.get("peak_memory_gib") is not None else ""
+            what = (f"{res['tokens_per_s']:,.0f} tokens/s{memory}, compile {res.get('compile_s', 0):.1f} s" if res.get("tokens_per_s")
+                    else res.get("status"))
             log(f"round {r + 1} {arm}: {what}")
     for a in arms:
         c = next((x.get("census") for x in results[a] if x.get("census")), None)
