@@ -1,0 +1,231 @@
+"""A causal flash-attention forward in Gluon (Triton's lower-level language) with the waits placed by hand.
+
+Why: rtrainer's Triton forward trails cuDNN most at head dim 128 (332 against 453 TFLOP/s at dense1b). Compiled
+for sm_90, its key loop is: issue `S = Q Kᵀ`, wait for it (and for the previous `P V`), softmax, issue `P V`; the
+tensor cores idle during the softmax unless the SM's other program fills the gap. Triton 3.6 keeps that order even
+when the source computes the next block's scores early (`tests/attention_ahead.py`). Gluon exposes the asynchronous
+wgmma and its wait (`warpgroup_mma(is_async=True)`, `warpgroup_mma_wait(num_outstanding)`), TMA copies and
+mbarriers, so the order is ours. Per key block j the loop here does:
+
+    issue S_{j+1} = Q K_{j+1}ᵀ                      (K_{j+1} arrived by TMA)
+    softmax of S_j                                   (overlaps S_{j+1} on the tensor cores)
+    wait until at most one wgmma is in flight        (P V_{j-1} done; S_{j+1} may still run)
+    rescale O, refill the ring slot P V_{j-1} freed  (TMA for block j + STAGES - 1)
+    issue O += P_j V_j
+    wait until at most one is in flight              (S_{j+1} done; P V_j may still run)
+
+K and V blocks come through a ring of STAGES shared-memory slots filled by TMA; the last (diagonal) block is masked
+after the loop. Q, K and V are read through 2-D TMA descriptors over (B*T, heads*hd), which needs the batch stride
+to be T times the row stride (true of rtrainer's fused QKV views); rows past T in a block belong to the next batch
+or are zero-filled, and the causal mask or the final store's row mask discards them. BLOCK_M == BLOCK_N.
+
+This is an experiment, not part of rtrainer. Gluon has no interpreter, so the math is only checked on a GPU:
+`python tests/attention_gluon.py` checks the output and log-sum-exp against float64 at odd shapes, then times this
+kernel against rtrainer's forward and cuDNN, alternated, at the reference shapes (writes $OUT/attention_gluon.json).
+`python tests/attention_gluon.py --compile` compiles it for sm_90 on a machine without a GPU and prints its
+registers, spills, shared memory and the wgmma waits in its PTX."""
+import json, os, re, statistics, subprocess, sys, tempfile, time
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait
+
+ROUNDS = 5
+CONFIGS = {64: (64, 4, 3), 128: (64, 4, 3)}      # head dim: (BLOCK_M = BLOCK_N, warps, stages)
+
+@gluon.jit
+def _load_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, j, row0, col, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    slot = j % STAGES
+    mbarrier.expect(k_bar.index(slot), k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [row0 + j * BLOCK_N, col], k_bar.index(slot), k_smem.index(slot))
+    mbarrier.expect(v_bar.index(slot), v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(v_desc, [row0 + j * BLOCK_N, col], v_bar.index(slot), v_smem.index(slot))
+
+@gluon.jit
+def _online_softmax(s, m_i, l_i, scale_log2):
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)
+    p = gl.exp2(s * scale_log2 - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+@gluon.jit
+def gluon_forward_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot, stride_oh, H, T, GROUP, scale_log2,
+                         HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    pid_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    kvh = h // GROUP
+    start_m = pid_m * BLOCK
+    row0 = b * T                                     # this batch's first row in the (B*T, heads*hd) views
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bar.index(i), count=1)
+        mbarrier.init(v_bar.index(i), count=1)
+
+    n = pid_m + 1                                    # key blocks 0 .. pid_m; the last is the diagonal one
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [row0 + start_m, h * HEAD_DIM], q_bar, q_smem)
+    for i in gl.static_range(STAGES - 1):
+        if i < n:
+            _load_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, i, row0, kvh * HEAD_DIM, BLOCK, STAGES)
+
+    m_i = gl.full([BLOCK], -1.0e30, gl.float32, s_rows)
+    l_i = gl.zeros([BLOCK], gl.float32, s_rows)
+    acc = warpgroup_mma_init(gl.zeros([BLOCK, HEAD_DIM], gl.float32, o_layout))   # carried through the loop in flight
+    zero_s = gl.zeros([BLOCK, BLOCK], gl.float32, s_layout)
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_bar.index(0), 0)
+    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+
+    for j in range(0, n - 1):                        # full key blocks; block j + 1 exists
+        nxt = (j + 1) % STAGES
+        mbarrier.wait(k_bar.index(nxt), ((j + 1) // STAGES) & 1)
+        s_next = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, scale_log2)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])                    # P V_{j-1} done
+        if j + STAGES - 1 < n:                       # its slot is free now: prefetch block j + STAGES - 1
+            _load_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, j + STAGES - 1, row0, kvh * HEAD_DIM, BLOCK, STAGES)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+        cur = j % STAGES
+        mbarrier.wait(v_bar.index(cur), (j // STAGES) & 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_layout), v_smem.index(cur), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=[s_next])                   # S_{j+1} done, P V_j may run on
+
+    # the diagonal block n - 1 = pid_m: mask above the diagonal, then the same step
+    q_pos = start_m + gl.arange(0, BLOCK, s_rows)
+    k_pos = start_m + gl.arange(0, BLOCK, s_cols)
+    s = gl.where(gl.expand_dims(q_pos, 1) >= gl.expand_dims(k_pos, 0), s, float("-inf"))
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, scale_log2)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+    last = (n - 1) % STAGES
+    mbarrier.wait(v_bar.index(last), ((n - 1) // STAGES) & 1)
+    acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_layout), v_smem.index(last), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(k_bar.index(i))
+        mbarrier.invalidate(v_bar.index(i))
+
+    acc = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
+    rows = start_m + gl.arange(0, BLOCK, o_rows)
+    cols = gl.arange(0, HEAD_DIM, o_cols)
+    o_ptrs = O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh + gl.expand_dims(rows, 1) * stride_ot + gl.expand_dims(cols, 0)
+    gl.store(o_ptrs, acc.to(gl.bfloat16), mask=gl.expand_dims(rows, 1) < T)
+    gl.store(LSE + (b * H + h).to(gl.int64) * T + q_pos, (m_i + gl.log2(l_i)) / 1.4426950408889634, mask=q_pos < T)
+
+def _layout(block_shape):
+    return gl.NVMMASharedLayout.get_default_for(block_shape, gl.bfloat16)
+
+def _descriptor(x, block):
+    "2-D TMA descriptor over (B*T, heads*hd) of a (B, T, heads, hd) view whose batch stride is T row strides."
+    B, T, heads, hd = x.shape
+    if x.stride(3) != 1 or x.stride(2) != hd or x.stride(0) != T * x.stride(1):
+        raise ValueError(f"attention_gluon: needs rows of heads*hd contiguous values, batch stride T*row stride; got strides {x.stride()}")
+    return TensorDescriptor(x, [B * T, heads * hd], [x.stride(1), 1], [block, hd], _layout([block, hd]))
+
+def gluon_forward(q, k, v):
+    "Causal forward, bf16: (o, lse) like rtrainer's flash_attention_forward."
+    B, T, H, hd = q.shape
+    block, warps, stages = CONFIGS[hd]
+    o = torch.empty(B, T, H, hd, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
+    gluon_forward_kernel[(triton.cdiv(T, block), B * H)](
+        _descriptor(q, block), _descriptor(k, block), _descriptor(v, block), o, lse, *o.stride()[:3], H, T, H // k.shape[2],
+        1.4426950408889634 / hd ** 0.5, HEAD_DIM=hd, BLOCK=block, STAGES=stages, num_warps=warps)
+    return o, lse
+
+def compile_check():
+    "Compile for sm_90 without a GPU; print registers, spills, shared memory and the PTX's wgmma waits."
+    import inspect
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    params = list(inspect.signature(gluon_forward_kernel.fn).parameters)
+    for hd, (block, warps, stages) in CONFIGS.items():
+        desc = f"tensordesc<bf16[{block}, {hd}],{_layout([block, hd])!r}>"
+        consts = dict(HEAD_DIM=hd, BLOCK=block, STAGES=stages, num_warps=warps)
+        sig = {p: "constexpr" if p in consts else desc if p.endswith("_desc") else "*bf16" if p == "O" else "*fp32" if p == "LSE"
+               else "fp32" if p == "scale_log2" else "i32" for p in params}
+        src = GluonASTSource(gluon_forward_kernel, sig, constexprs={(params.index(n),): c for n, c in consts.items()})
+        c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
+        ptx = c.asm["ptx"]
+        with tempfile.TemporaryDirectory() as t:
+            open(f"{t}/k.ptx", "w").write(re.sub(r"\.version \d+\.\d+", ".version 8.7", ptx))
+            out = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f"{t}/k.ptx", "-o", f"{t}/k.cubin"], capture_output=True, text=True).stderr
+        r, sp = re.search(r"Used (\d+) registers", out), re.search(r"(\d+) bytes spill stores", out)
+        waits = re.findall(r"wgmma.wait_group.sync.aligned (\d+)", ptx)
+        print(f"hd {hd}, {block} x {block}, {warps} warps, {stages} stages: {r.group(1) if r else out[-300:]} registers, "
+              f"spills {sp.group(1) if sp else '?'} bytes, shared memory {c.metadata.shared} bytes, "
+              f"{ptx.count('wgmma.mma_async')} wgmma instructions, waits {waits}")
+
+def check(B, T, H, KV, hd, device="cuda"):
+    from rtrainer.attention import fused_qkv_views, attention_reference, relative_error
+    torch.manual_seed(0)
+    q, k, v = fused_qkv_views(B, T, H, KV, hd, torch.bfloat16, device)
+    o, lse = gluon_forward(q, k, v)
+    ref = attention_reference(q.double(), k.double(), v.double(), True)
+    s = torch.einsum("bthd,bshd->bhts", q.double(), k.double().repeat_interleave(H // KV, 2)) / hd ** 0.5
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=device).triu(1), float("-inf"))
+    return dict(B=B, T=T, H=H, KV=KV, hd=hd, o=relative_error(o, ref), lse=relative_error(lse, torch.logsumexp(s, -1)))
+
+def gpu_main():
+    from rtrainer.attention import flash_attention_forward, fused_qkv_views, attention_flops, REFERENCE_ATTENTION_SHAPES
+    from rtrainer.kernels import median_ms, ratio_interval
+    import torch.nn.functional as F
+    payload = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
+                   triton=triton.__version__, configs={str(k): v for k, v in CONFIGS.items()}, rounds=ROUNDS, checks=[], rows=[])
+    for case in ((2, 1000, 12, 4, 64), (1, 777, 16, 16, 128), (2, 257, 8, 1, 128), (1, 1, 4, 2, 64), (1, 4099, 4, 2, 64)):
+        try: row = check(*case)
+        except Exception as e: row = dict(case=case, error=f"{type(e).__name__}: {str(e)[:300]}")
+        row["ok"] = row.get("o", 1) < 1e-2 and row.get("lse", 1) < 1e-2
+        payload["checks"].append(row)
+        print(row, flush=True)
+    if all(c["ok"] for c in payload["checks"]):
+        for name in ("dense1b", "rb100m", "moe4b"):
+            B, H, KV, T, hd = REFERENCE_ATTENTION_SHAPES[name]
+            q, k, v = fused_qkv_views(B, T, H, KV, hd, torch.bfloat16, "cuda")
+            group = H // KV
+            qt, kt, vt = q.transpose(1, 2), k.repeat_interleave(group, 2).transpose(1, 2), v.repeat_interleave(group, 2).transpose(1, 2)
+            from torch.nn.attention import sdpa_kernel, SDPBackend
+            def cudnn():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION): F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+            arms = {"rtrainer": lambda: flash_attention_forward(q, k, v, True), "gluon": lambda: gluon_forward(q, k, v), "cudnn": cudnn}
+            for fn in arms.values(): fn()
+            times = {a: [] for a in arms}
+            for r in range(ROUNDS):
+                for a in (list(arms) if r % 2 == 0 else list(arms)[::-1]): times[a].append(median_ms(arms[a]))
+            flops = attention_flops(B, H, T, hd)
+            row = dict(shape=name, **{f"{a}_tflops": flops / statistics.median(t) / 1e9 for a, t in times.items()})
+            for other in ("rtrainer", "cudnn"):
+                row[f"gluon_vs_{other}"], row[f"gluon_vs_{other}_low"], row[f"gluon_vs_{other}_high"] = ratio_interval(
+                    [x / y for x, y in zip(times[other], times["gluon"])])
+            payload["rows"].append(row)
+            print(f"{name:9} forward TFLOP/s: rtrainer {row['rtrainer_tflops']:.1f}, gluon {row['gluon_tflops']:.1f}, cuDNN {row['cudnn_tflops']:.1f};"
+                  f" gluon / rtrainer speed {row['gluon_vs_rtrainer']:.3f} [{row['gluon_vs_rtrainer_low']:.3f}, {row['gluon_vs_rtrainer_high']:.3f}]", flush=True)
+    else: print("gluon forward failed its checks: not timed")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "attention_gluon.json"), "w") as f: json.dump(payload, f, indent=1)
+
+if __name__ == "__main__":
+    if "--compile" in sys.argv: compile_check()
+    elif not torch.cuda.is_available(): sys.exit("attention_gluon: needs a CUDA GPU (or --compile)")
+    else: gpu_main()
