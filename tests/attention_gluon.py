@@ -33,7 +33,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait
 
 ROUNDS = 5
-CONFIGS = {64: (64, 4, 3), 128: (64, 4, 3)}      # head dim: (BLOCK_M = BLOCK_N, warps, stages)
+# head dim: variants (BLOCK_M = BLOCK_N, warps, stages). 64 x 64 with one warpgroup is the tile of rtrainer's kernel;
+# 128 x 128 with two warpgroups (64 rows each) is FlashAttention-3's tile for head dim 128, one program per SM.
+CONFIGS = {64: [(64, 4, 3), (128, 8, 2)], 128: [(64, 4, 3), (128, 8, 2)]}
 
 @gluon.jit
 def _load_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, j, row0, col, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
@@ -142,10 +144,10 @@ def _descriptor(x, block):
         raise ValueError(f"attention_gluon: needs rows of heads*hd contiguous values, batch stride T*row stride; got strides {x.stride()}")
     return TensorDescriptor(x, [B * T, heads * hd], [x.stride(1), 1], [block, hd], _layout([block, hd]))
 
-def gluon_forward(q, k, v):
-    "Causal forward, bf16: (o, lse) like rtrainer's flash_attention_forward."
+def gluon_forward(q, k, v, variant=0):
+    "Causal forward, bf16: (o, lse) like rtrainer's flash_attention_forward; `variant` indexes CONFIGS[head dim]."
     B, T, H, hd = q.shape
-    block, warps, stages = CONFIGS[hd]
+    block, warps, stages = CONFIGS[hd][variant]
     o = torch.empty(B, T, H, hd, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     gluon_forward_kernel[(triton.cdiv(T, block), B * H)](
@@ -160,7 +162,7 @@ def compile_check():
     from triton.experimental.gluon._runtime import GluonASTSource
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     params = list(inspect.signature(gluon_forward_kernel.fn).parameters)
-    for hd, (block, warps, stages) in CONFIGS.items():
+    for hd, (block, warps, stages) in ((hd, c) for hd, cs in CONFIGS.items() for c in cs):
         desc = f"tensordesc<bf16[{block}, {hd}],{_layout([block, hd])!r}>"
         consts = dict(HEAD_DIM=hd, BLOCK=block, STAGES=stages, num_warps=warps)
         sig = {p: "constexpr" if p in consts else desc if p.endswith("_desc") else "*bf16" if p == "O" else "*fp32" if p == "LSE"
@@ -177,15 +179,15 @@ def compile_check():
               f"spills {sp.group(1) if sp else '?'} bytes, shared memory {c.metadata.shared} bytes, "
               f"{ptx.count('wgmma.mma_async')} wgmma instructions, waits {waits}")
 
-def check(B, T, H, KV, hd, device="cuda"):
+def check(B, T, H, KV, hd, variant=0, device="cuda"):
     from rtrainer.attention import fused_qkv_views, attention_reference, relative_error
     torch.manual_seed(0)
     q, k, v = fused_qkv_views(B, T, H, KV, hd, torch.bfloat16, device)
-    o, lse = gluon_forward(q, k, v)
+    o, lse = gluon_forward(q, k, v, variant)
     ref = attention_reference(q.double(), k.double(), v.double(), True)
     s = torch.einsum("bthd,bshd->bhts", q.double(), k.double().repeat_interleave(H // KV, 2)) / hd ** 0.5
     s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=device).triu(1), float("-inf"))
-    return dict(B=B, T=T, H=H, KV=KV, hd=hd, o=relative_error(o, ref), lse=relative_error(lse, torch.logsumexp(s, -1)))
+    return dict(B=B, T=T, H=H, KV=KV, hd=hd, variant=CONFIGS[hd][variant], o=relative_error(o, ref), lse=relative_error(lse, torch.logsumexp(s, -1)))
 
 def gpu_main():
     from rtrainer.attention import flash_attention_forward, fused_qkv_views, attention_flops, REFERENCE_ATTENTION_SHAPES
@@ -194,12 +196,16 @@ def gpu_main():
     payload = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
                    triton=triton.__version__, configs={str(k): v for k, v in CONFIGS.items()}, rounds=ROUNDS, checks=[], rows=[])
     for case in ((2, 1000, 12, 4, 64), (1, 777, 16, 16, 128), (2, 257, 8, 1, 128), (1, 1, 4, 2, 64), (1, 4099, 4, 2, 64)):
-        try: row = check(*case)
-        except Exception as e: row = dict(case=case, error=f"{type(e).__name__}: {str(e)[:300]}")
-        row["ok"] = row.get("o", 1) < 1e-2 and row.get("lse", 1) < 1e-2
-        payload["checks"].append(row)
-        print(row, flush=True)
-    if all(c["ok"] for c in payload["checks"]):
+        hd = case[-1]
+        for variant, config in enumerate(CONFIGS[hd]):
+            try: row = check(*case, variant)
+            except Exception as e: row = dict(case=case, error=f"{type(e).__name__}: {str(e)[:300]}")
+            row.update(hd=hd, variant=config, ok=row.get("o", 1) < 1e-2 and row.get("lse", 1) < 1e-2)
+            payload["checks"].append(row)
+            print(row, flush=True)
+    passed = {(hd, c) for hd, cs in CONFIGS.items() for c in cs
+              if all(r["ok"] for r in payload["checks"] if r["hd"] == hd and r["variant"] == c)}
+    if passed:
         for name in ("dense1b", "rb100m", "moe4b"):
             B, H, KV, T, hd = REFERENCE_ATTENTION_SHAPES[name]
             q, k, v = fused_qkv_views(B, T, H, KV, hd, torch.bfloat16, "cuda")
@@ -208,20 +214,23 @@ def gpu_main():
             from torch.nn.attention import sdpa_kernel, SDPBackend
             def cudnn():
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION): F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
-            arms = {"rtrainer": lambda: flash_attention_forward(q, k, v, True), "gluon": lambda: gluon_forward(q, k, v), "cudnn": cudnn}
+            arms = {"rtrainer": lambda: flash_attention_forward(q, k, v, True), "cudnn": cudnn}
+            for i, c in enumerate(CONFIGS[hd]):
+                if (hd, c) in passed: arms["gluon %dx%d w%d s%d" % (c[0], c[0], c[1], c[2])] = lambda i=i: gluon_forward(q, k, v, i)
             for fn in arms.values(): fn()
             times = {a: [] for a in arms}
             for r in range(ROUNDS):
                 for a in (list(arms) if r % 2 == 0 else list(arms)[::-1]): times[a].append(median_ms(arms[a]))
             flops = attention_flops(B, H, T, hd)
             row = dict(shape=name, **{f"{a}_tflops": flops / statistics.median(t) / 1e9 for a, t in times.items()})
-            for other in ("rtrainer", "cudnn"):
-                row[f"gluon_vs_{other}"], row[f"gluon_vs_{other}_low"], row[f"gluon_vs_{other}_high"] = ratio_interval(
-                    [x / y for x, y in zip(times[other], times["gluon"])])
+            for arm in (a for a in arms if a.startswith("gluon")):
+                for other in ("rtrainer", "cudnn"):
+                    row[f"{arm} vs {other}"] = ratio_interval([x / y for x, y in zip(times[other], times[arm])])   # (mean, low, high) speed ratio
             payload["rows"].append(row)
-            print(f"{name:9} forward TFLOP/s: rtrainer {row['rtrainer_tflops']:.1f}, gluon {row['gluon_tflops']:.1f}, cuDNN {row['cudnn_tflops']:.1f};"
-                  f" gluon / rtrainer speed {row['gluon_vs_rtrainer']:.3f} [{row['gluon_vs_rtrainer_low']:.3f}, {row['gluon_vs_rtrainer_high']:.3f}]", flush=True)
-    else: print("gluon forward failed its checks: not timed")
+            print(f"{name:9} forward TFLOP/s: " + ", ".join(f"{a} {row[a + '_tflops']:.1f}" for a in arms), flush=True)
+            for arm in (a for a in arms if a.startswith("gluon")):
+                print(f"          {arm} / rtrainer speed %.3f [%.3f, %.3f]" % row[f"{arm} vs rtrainer"], flush=True)
+    else: print("no gluon variant passed its checks: not timed")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "attention_gluon.json"), "w") as f: json.dump(payload, f, indent=1)
 
