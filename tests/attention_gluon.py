@@ -1,4 +1,4 @@
-"""A causal flash-attention forward in Gluon (Triton's lower-level language) with the waits placed by hand.
+"""A causal flash-attention forward and dK/dV kernel in Gluon (Triton's lower-level language), waits placed by hand.
 
 Why: rtrainer's Triton forward trails cuDNN most at head dim 128 (332 against 453 TFLOP/s at dense1b). Compiled
 for sm_90, its key loop is: issue `S = Q Kᵀ`, wait for it (and for the previous `P V`), softmax, issue `P V`; the
@@ -19,11 +19,15 @@ after the loop. Q, K and V are read through 2-D TMA descriptors over (B*T, heads
 to be T times the row stride (true of rtrainer's fused QKV views); rows past T in a block belong to the next batch
 or are zero-filled, and the causal mask or the final store's row mask discards them. BLOCK_M == BLOCK_N.
 
+The dK/dV kernel (below) applies the same idea to the backward: the next step's two score products are issued
+before this step's exponentials, and the dV and dK products are left in flight into the next step.
+
 This is an experiment, not part of rtrainer. Gluon has no interpreter, so the math is only checked on a GPU:
-`python tests/attention_gluon.py` checks the output and log-sum-exp against float64 at odd shapes, then times this
-kernel against rtrainer's forward and cuDNN, alternated, at the reference shapes (writes $OUT/attention_gluon.json).
-`python tests/attention_gluon.py --compile` compiles it for sm_90 on a machine without a GPU and prints its
-registers, spills, shared memory and the wgmma waits in its PTX."""
+`python tests/attention_gluon.py` checks the forward's output and log-sum-exp and the backward's dK and dV against
+float64 at odd shapes, then times each variant that passed against rtrainer's kernel (and the forward against
+cuDNN), alternated, at the reference shapes (writes $OUT/attention_gluon.json). `python tests/attention_gluon.py
+--compile` compiles both for sm_90 on a machine without a GPU and prints registers, spills, shared memory and the
+wgmma waits in their PTX."""
 import json, os, re, statistics, subprocess, sys, tempfile, time
 import torch
 import triton
@@ -155,29 +159,154 @@ def gluon_forward(q, k, v, variant=0):
         1.4426950408889634 / hd ** 0.5, HEAD_DIM=hd, BLOCK=block, STAGES=stages, num_warps=warps)
     return o, lse
 
-def compile_check():
-    "Compile for sm_90 without a GPU; print registers, spills, shared memory and the PTX's wgmma waits."
+# ---- dK/dV: the same idea in the backward ---------------------------------------------------------------------------
+# One program per block of BLOCK_N keys (one warpgroup), over every query block at or after the diagonal and every
+# query head of the KV head's group, flattened into one loop of steps. Per step u (query block Q_u, dO_u):
+#     issue Sᵀ_u = K Q_uᵀ and dPᵀ_u = V dO_uᵀ
+#     wait until at most one wgmma is in flight     (dV, dK of step u-1 and Sᵀ_u done; dPᵀ_u may run)
+#     refill the ring slot step u-1 freed; Pᵀ = exp2(Sᵀ·scale − lse)  (overlaps dPᵀ_u)
+#     issue dV += Pᵀ dO_u
+#     wait until at most one is in flight           (dPᵀ_u done; dV may run)
+#     dSᵀ = Pᵀ ∘ (dPᵀ − δ); issue dK += dSᵀ Q_u      (both left in flight into the next step)
+DKDV_CONFIGS = {64: [(64, 64, 4, 3)], 128: [(64, 32, 4, 3), (64, 64, 4, 2)]}   # head dim: variants (BLOCK_N, BLOCK_M, warps, stages)
+
+@gluon.jit
+def _load_q_do(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, u, n_i, first_i, row0, kvh, GROUP,
+               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    slot = u % STAGES
+    h = kvh * GROUP + u // n_i
+    row = row0 + (first_i + u % n_i) * BLOCK_M
+    mbarrier.expect(q_bar.index(slot), q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [row, h * HEAD_DIM], q_bar.index(slot), q_smem.index(slot))
+    mbarrier.expect(do_bar.index(slot), do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(do_desc, [row, h * HEAD_DIM], do_bar.index(slot), do_smem.index(slot))
+
+@gluon.jit
+def gluon_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh,
+                      H, KV, T, GROUP, scale_log2, sm_scale,
+                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                      num_warps: gl.constexpr):
+    start_n = gl.program_id(0) * BLOCK_N
+    bkv = gl.program_id(1)
+    b = bkv // KV
+    kvh = bkv % KV
+    row0 = b * T
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
+    key_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    query_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(do_bar.index(i), count=1)
+
+    first_i = start_n // BLOCK_M                     # the first query block that sees these keys (BLOCK_M divides BLOCK_N)
+    n_i = gl.cdiv(T, BLOCK_M) - first_i              # query blocks per head
+    steps = GROUP * n_i
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [row0 + start_n, kvh * HEAD_DIM], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [row0 + start_n, kvh * HEAD_DIM], kv_bar, v_smem)
+    for i in gl.static_range(STAGES - 1):
+        if i < steps:
+            _load_q_do(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, i, n_i, first_i, row0, kvh, GROUP, HEAD_DIM, BLOCK_M, STAGES)
+
+    k_pos = start_n + gl.arange(0, BLOCK_N, key_rows)
+    zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, a_layout))
+    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, a_layout))
+    mbarrier.wait(kv_bar, 0)
+    for u in range(0, steps):
+        slot = u % STAGES
+        phase = (u // STAGES) & 1
+        g = u // n_i
+        qi = first_i + u % n_i
+        mbarrier.wait(q_bar.index(slot), phase)
+        sT = warpgroup_mma(k_smem, q_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(do_bar.index(slot), phase)
+        dpT = warpgroup_mma(v_smem, do_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dv, dk, sT = warpgroup_mma_wait(num_outstanding=1, deps=[dv, dk, sT])
+        if u + STAGES - 1 < steps:                   # step u-1's slot is free: prefetch step u + STAGES - 1
+            _load_q_do(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, u + STAGES - 1, n_i, first_i, row0, kvh, GROUP,
+                       HEAD_DIM, BLOCK_M, STAGES)
+        q_pos = qi * BLOCK_M + gl.arange(0, BLOCK_M, query_cols)
+        head = (b * H + kvh * GROUP + g).to(gl.int64) * T
+        lse2 = gl.load(LSE + head + q_pos, mask=q_pos < T, other=float("inf")) * 1.4426950408889634   # rows past T: P = 0
+        delta = gl.load(DELTA + head + q_pos, mask=q_pos < T, other=0.0)
+        pT = gl.exp2(sT * scale_log2 - gl.expand_dims(lse2, 0))
+        if qi * BLOCK_M < start_n + BLOCK_N:         # a query block that overlaps the diagonal
+            pT = gl.where(gl.expand_dims(q_pos, 0) >= gl.expand_dims(k_pos, 1), pT, 0.0)
+        dv = warpgroup_mma(gl.convert_layout(pT.to(gl.bfloat16), p_layout), do_smem.index(slot), dv, is_async=True)
+        dpT = warpgroup_mma_wait(num_outstanding=1, deps=[dpT])
+        dsT = pT * (dpT - gl.expand_dims(delta, 0))
+        dk = warpgroup_mma(gl.convert_layout(dsT.to(gl.bfloat16), p_layout), q_smem.index(slot), dk, is_async=True)
+    dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
+    mbarrier.invalidate(kv_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(q_bar.index(i))
+        mbarrier.invalidate(do_bar.index(i))
+    rows = start_n + gl.arange(0, BLOCK_N, gl.SliceLayout(1, a_layout))
+    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, a_layout))
+    out = b.to(gl.int64) * stride_dkb + kvh.to(gl.int64) * stride_dkh + gl.expand_dims(rows, 1) * stride_dkt + gl.expand_dims(cols, 0)
+    gl.store(DK + out, (dk * sm_scale).to(gl.bfloat16), mask=gl.expand_dims(rows, 1) < T)
+    gl.store(DV + out, dv.to(gl.bfloat16), mask=gl.expand_dims(rows, 1) < T)
+
+def gluon_dkdv(do, q, k, v, lse, delta, variant=0):
+    "dK, dV (B,T,KV,hd) of the causal attention, from the forward's lse and delta = rowsum(dO * O) (fp32, (B,H,T))."
+    B, T, H, hd = q.shape
+    KV = k.shape[2]
+    block_n, block_m, warps, stages = DKDV_CONFIGS[hd][variant]
+    dk = torch.empty(B, T, KV, hd, dtype=q.dtype, device=q.device)
+    dv = torch.empty_like(dk)
+    gluon_dkdv_kernel[(triton.cdiv(T, block_n), B * KV)](
+        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
+        lse, delta, dk, dv, *dk.stride()[:3], H, KV, T, H // KV, 1.4426950408889634 / hd ** 0.5, 1.0 / hd ** 0.5,
+        HEAD_DIM=hd, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, num_warps=warps)
+    return dk, dv
+
+def _compile_sm90(kernel, consts, descs, warps):
+    "Compile a Gluon kernel for sm_90 without a GPU: (ptxas's register / spill line, shared memory, PTX)."
     import inspect
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
+    params = list(inspect.signature(kernel.fn).parameters)
+    kinds = dict(O="*bf16", DK="*bf16", DV="*bf16", LSE="*fp32", DELTA="*fp32", scale_log2="fp32", sm_scale="fp32")
+    sig = {p: "constexpr" if p in consts else
+           f"tensordesc<bf16[{descs[p][0]}, {descs[p][1]}],{_layout(list(descs[p]))!r}>" if p in descs else kinds.get(p, "i32")
+           for p in params}
+    src = GluonASTSource(kernel, sig, constexprs={(params.index(n),): c for n, c in consts.items()})
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
+    ptx = c.asm["ptx"]
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    params = list(inspect.signature(gluon_forward_kernel.fn).parameters)
+    with tempfile.TemporaryDirectory() as t:
+        open(f"{t}/k.ptx", "w").write(re.sub(r"\.version \d+\.\d+", ".version 8.7", ptx))
+        out = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f"{t}/k.ptx", "-o", f"{t}/k.cubin"], capture_output=True, text=True).stderr
+    r, sp = re.search(r"Used (\d+) registers", out), re.search(r"(\d+) bytes spill stores", out)
+    return f"{r.group(1) if r else out[-300:]} registers, spills {sp.group(1) if sp else '?'} bytes", c.metadata.shared, ptx
+
+def _waits(ptx):
+    return re.findall(r"wgmma.wait_group.sync.aligned (\d+)", ptx)
+
+def compile_check():
+    "Compile both kernels for sm_90 without a GPU; print registers, spills, shared memory and the PTX's wgmma waits."
     for hd, (block, warps, stages) in ((hd, c) for hd, cs in CONFIGS.items() for c in cs):
-        desc = f"tensordesc<bf16[{block}, {hd}],{_layout([block, hd])!r}>"
-        consts = dict(HEAD_DIM=hd, BLOCK=block, STAGES=stages, num_warps=warps)
-        sig = {p: "constexpr" if p in consts else desc if p.endswith("_desc") else "*bf16" if p == "O" else "*fp32" if p == "LSE"
-               else "fp32" if p == "scale_log2" else "i32" for p in params}
-        src = GluonASTSource(gluon_forward_kernel, sig, constexprs={(params.index(n),): c for n, c in consts.items()})
-        c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
-        ptx = c.asm["ptx"]
-        with tempfile.TemporaryDirectory() as t:
-            open(f"{t}/k.ptx", "w").write(re.sub(r"\.version \d+\.\d+", ".version 8.7", ptx))
-            out = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f"{t}/k.ptx", "-o", f"{t}/k.cubin"], capture_output=True, text=True).stderr
-        r, sp = re.search(r"Used (\d+) registers", out), re.search(r"(\d+) bytes spill stores", out)
-        waits = re.findall(r"wgmma.wait_group.sync.aligned (\d+)", ptx)
-        print(f"hd {hd}, {block} x {block}, {warps} warps, {stages} stages: {r.group(1) if r else out[-300:]} registers, "
-              f"spills {sp.group(1) if sp else '?'} bytes, shared memory {c.metadata.shared} bytes, "
-              f"{ptx.count('wgmma.mma_async')} wgmma instructions, waits {waits}")
+        regs, smem, ptx = _compile_sm90(gluon_forward_kernel, dict(HEAD_DIM=hd, BLOCK=block, STAGES=stages, num_warps=warps),
+                                        {d: (block, hd) for d in ("q_desc", "k_desc", "v_desc")}, warps)
+        print(f"forward hd {hd}, {block} x {block}, {warps} warps, {stages} stages: {regs}, shared memory {smem} bytes, "
+              f"{ptx.count('wgmma.mma_async')} wgmma instructions, waits {_waits(ptx)}")
+    for hd, (block_n, block_m, warps, stages) in ((hd, c) for hd, cs in DKDV_CONFIGS.items() for c in cs):
+        regs, smem, ptx = _compile_sm90(gluon_dkdv_kernel, dict(HEAD_DIM=hd, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, num_warps=warps),
+                                        dict(q_desc=(block_m, hd), do_desc=(block_m, hd), k_desc=(block_n, hd), v_desc=(block_n, hd)), warps)
+        print(f"dK/dV hd {hd}, {block_n} keys x {block_m} queries, {warps} warps, {stages} stages: {regs}, shared memory {smem} bytes, "
+              f"{ptx.count('wgmma.mma_async')} wgmma instructions, waits {_waits(ptx)}")
 
 def check(B, T, H, KV, hd, variant=0, device="cuda"):
     from rtrainer.attention import fused_qkv_views, attention_reference, relative_error
@@ -189,48 +318,84 @@ def check(B, T, H, KV, hd, variant=0, device="cuda"):
     s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=device).triu(1), float("-inf"))
     return dict(B=B, T=T, H=H, KV=KV, hd=hd, variant=CONFIGS[hd][variant], o=relative_error(o, ref), lse=relative_error(lse, torch.logsumexp(s, -1)))
 
-def gpu_main():
-    from rtrainer.attention import flash_attention_forward, fused_qkv_views, attention_flops, REFERENCE_ATTENTION_SHAPES
-    from rtrainer.kernels import median_ms, ratio_interval
-    import torch.nn.functional as F
-    payload = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
-                   triton=triton.__version__, configs={str(k): v for k, v in CONFIGS.items()}, rounds=ROUNDS, checks=[], rows=[])
-    for case in ((2, 1000, 12, 4, 64), (1, 777, 16, 16, 128), (2, 257, 8, 1, 128), (1, 1, 4, 2, 64), (1, 4099, 4, 2, 64)):
+def check_dkdv(B, T, H, KV, hd, variant=0, device="cuda"):
+    "dK, dV of the Gluon kernel against float64 autograd, from rtrainer's forward lse and delta = rowsum(dO * O)."
+    from rtrainer.attention import fused_qkv_views, attention_reference, relative_error, flash_attention_forward
+    torch.manual_seed(1)
+    q, k, v = fused_qkv_views(B, T, H, KV, hd, torch.bfloat16, device)
+    do = torch.randn(B, T, H, hd, dtype=torch.bfloat16, device=device)
+    o, lse = flash_attention_forward(q, k, v, True)
+    delta = (o.float() * do.float()).sum(-1).transpose(1, 2).contiguous()
+    dk, dv = gluon_dkdv(do, q, k, v, lse, delta, variant)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_dk, ref_dv = torch.autograd.grad(attention_reference(q64, k64, v64, True), (k64, v64), do.double())
+    return dict(B=B, T=T, H=H, KV=KV, hd=hd, variant=DKDV_CONFIGS[hd][variant], dk=relative_error(dk, ref_dk), dv=relative_error(dv, ref_dv))
+
+def _ratios(times, base, arm):
+    "(mean, low, high) of base time / arm time over the paired rounds: the arm's speed relative to base."
+    from rtrainer.kernels import ratio_interval
+    return ratio_interval([x / y for x, y in zip(times[base], times[arm])])
+
+def _alternate(arms, rounds):
+    from rtrainer.kernels import median_ms
+    for fn in arms.values(): fn()
+    times = {a: [] for a in arms}
+    for r in range(rounds):
+        for a in (list(arms) if r % 2 == 0 else list(arms)[::-1]): times[a].append(median_ms(arms[a]))
+    return times
+
+CHECK_CASES = ((2, 1000, 12, 4, 64), (1, 777, 16, 16, 128), (2, 257, 8, 1, 128), (1, 1, 4, 2, 64), (1, 4099, 4, 2, 64))
+
+def _checked(payload, kind, configs, check_fn, names):
+    "Run check_fn on every case and variant; record the rows; return the (head dim, variant) pairs that passed all."
+    for case in CHECK_CASES:
         hd = case[-1]
-        for variant, config in enumerate(CONFIGS[hd]):
-            try: row = check(*case, variant)
+        for variant, config in enumerate(configs[hd]):
+            try: row = check_fn(*case, variant)
             except Exception as e: row = dict(case=case, error=f"{type(e).__name__}: {str(e)[:300]}")
-            row.update(hd=hd, variant=config, ok=row.get("o", 1) < 1e-2 and row.get("lse", 1) < 1e-2)
+            row.update(kernel=kind, hd=hd, variant=config, ok=all(row.get(n, 1) < 1e-2 for n in names))
             payload["checks"].append(row)
             print(row, flush=True)
-    passed = {(hd, c) for hd, cs in CONFIGS.items() for c in cs
-              if all(r["ok"] for r in payload["checks"] if r["hd"] == hd and r["variant"] == c)}
-    if passed:
-        for name in ("dense1b", "rb100m", "moe4b"):
-            B, H, KV, T, hd = REFERENCE_ATTENTION_SHAPES[name]
-            q, k, v = fused_qkv_views(B, T, H, KV, hd, torch.bfloat16, "cuda")
-            group = H // KV
-            qt, kt, vt = q.transpose(1, 2), k.repeat_interleave(group, 2).transpose(1, 2), v.repeat_interleave(group, 2).transpose(1, 2)
-            from torch.nn.attention import sdpa_kernel, SDPBackend
-            def cudnn():
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION): F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
-            arms = {"rtrainer": lambda: flash_attention_forward(q, k, v, True), "cudnn": cudnn}
-            for i, c in enumerate(CONFIGS[hd]):
-                if (hd, c) in passed: arms["gluon %dx%d w%d s%d" % (c[0], c[0], c[1], c[2])] = lambda i=i: gluon_forward(q, k, v, i)
-            for fn in arms.values(): fn()
-            times = {a: [] for a in arms}
-            for r in range(ROUNDS):
-                for a in (list(arms) if r % 2 == 0 else list(arms)[::-1]): times[a].append(median_ms(arms[a]))
-            flops = attention_flops(B, H, T, hd)
-            row = dict(shape=name, **{f"{a}_tflops": flops / statistics.median(t) / 1e9 for a, t in times.items()})
+    return {(hd, c) for hd, cs in configs.items() for c in cs
+            if all(r["ok"] for r in payload["checks"] if r["kernel"] == kind and r["hd"] == hd and r["variant"] == c)}
+
+def gpu_main():
+    from rtrainer.attention import flash_attention_forward, flash_backward_dkdv, fused_qkv_views, attention_flops, REFERENCE_ATTENTION_SHAPES
+    from torch.nn.attention import sdpa_kernel, SDPBackend
+    import torch.nn.functional as F
+    payload = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                   forward_configs={str(k): v for k, v in CONFIGS.items()}, dkdv_configs={str(k): v for k, v in DKDV_CONFIGS.items()},
+                   rounds=ROUNDS, checks=[], rows=[])
+    forward_ok = _checked(payload, "forward", CONFIGS, check, ("o", "lse"))
+    dkdv_ok = _checked(payload, "dkdv", DKDV_CONFIGS, check_dkdv, ("dk", "dv"))
+    for name in ("dense1b", "rb100m", "moe4b"):
+        B, H, KV, T, hd = REFERENCE_ATTENTION_SHAPES[name]
+        q, k, v = fused_qkv_views(B, T, H, KV, hd, torch.bfloat16, "cuda")
+        do = torch.randn(B, T, H, hd, dtype=torch.bfloat16, device="cuda")
+        o, lse = flash_attention_forward(q, k, v, True)
+        delta = (o.float() * do.float()).sum(-1).transpose(1, 2).contiguous()
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k.repeat_interleave(H // KV, 2), v.repeat_interleave(H // KV, 2)))
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION): F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+        flops = attention_flops(B, H, T, hd)
+        for kind, arms, passed, configs, work in (
+                ("forward", {"rtrainer": lambda: flash_attention_forward(q, k, v, True), "cudnn": cudnn}, forward_ok, CONFIGS, flops),
+                ("dkdv", {"rtrainer": lambda: flash_backward_dkdv(do, q, k, v, lse, delta, True)}, dkdv_ok, DKDV_CONFIGS, 2 * flops)):   # dK/dV: four tile matmuls to the forward's two
+            for i, c in enumerate(configs[hd]):
+                if (hd, c) not in passed: continue
+                arms["gluon " + "/".join(map(str, c))] = ((lambda i=i: gluon_forward(q, k, v, i)) if kind == "forward"
+                                                          else (lambda i=i: gluon_dkdv(do, q, k, v, lse, delta, i)))
+            if len(arms) == (2 if kind == "forward" else 1): print(f"{name}: no {kind} variant passed its checks: not timed"); continue
+            times = _alternate(arms, ROUNDS)
+            row = dict(shape=name, kernel=kind, **{f"{a} ms": statistics.median(t) for a, t in times.items()},
+                       **{f"{a} TFLOP/s": work / statistics.median(t) / 1e9 for a, t in times.items()})
             for arm in (a for a in arms if a.startswith("gluon")):
-                for other in ("rtrainer", "cudnn"):
-                    row[f"{arm} vs {other}"] = ratio_interval([x / y for x, y in zip(times[other], times[arm])])   # (mean, low, high) speed ratio
+                row[f"{arm} speed vs rtrainer"] = _ratios(times, "rtrainer", arm)
+                if "cudnn" in arms: row[f"{arm} speed vs cudnn"] = _ratios(times, "cudnn", arm)
             payload["rows"].append(row)
-            print(f"{name:9} forward TFLOP/s: " + ", ".join(f"{a} {row[a + '_tflops']:.1f}" for a in arms), flush=True)
+            print(f"{name:9} {kind:8} " + ", ".join(f"{a} {row[a + ' TFLOP/s']:.1f} TFLOP/s" for a in arms), flush=True)
             for arm in (a for a in arms if a.startswith("gluon")):
-                print(f"          {arm} / rtrainer speed %.3f [%.3f, %.3f]" % row[f"{arm} vs rtrainer"], flush=True)
-    else: print("no gluon variant passed its checks: not timed")
+                print(f"{'':19}{arm} / rtrainer speed %.3f [%.3f, %.3f]" % row[f"{arm} speed vs rtrainer"], flush=True)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "attention_gluon.json"), "w") as f: json.dump(payload, f, indent=1)
 
