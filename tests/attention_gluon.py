@@ -39,7 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, warp
 ROUNDS = 5
 # head dim: variants (BLOCK_M = BLOCK_N, warps, stages). 64 x 64 with one warpgroup is the tile of rtrainer's kernel;
 # 128 x 128 with two warpgroups (64 rows each) is FlashAttention-3's tile for head dim 128, one program per SM.
-CONFIGS = {64: [(64, 4, 3), (128, 8, 2)], 128: [(64, 4, 3), (128, 8, 2)]}
+CONFIGS = {64: [(64, 4, 3), (128, 8, 3)], 128: [(64, 4, 3), (128, 8, 3)]}
+# The forward needs STAGES >= 3: at block j it reads K_{j+1} and V_j while the TMA fills the slot of block j - 1.
 
 @gluon.jit
 def _load_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, j, row0, col, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
@@ -152,6 +153,7 @@ def gluon_forward(q, k, v, variant=0):
     "Causal forward, bf16: (o, lse) like rtrainer's flash_attention_forward; `variant` indexes CONFIGS[head dim]."
     B, T, H, hd = q.shape
     block, warps, stages = CONFIGS[hd][variant]
+    if stages < 3: raise ValueError(f"attention_gluon: the forward needs at least 3 stages, got {stages}")
     o = torch.empty(B, T, H, hd, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     gluon_forward_kernel[(triton.cdiv(T, block), B * H)](
