@@ -348,11 +348,39 @@ def _alternate(arms, rounds):
 
 CHECK_CASES = ((2, 1000, 12, 4, 64), (1, 777, 16, 16, 128), (2, 257, 8, 1, 128), (1, 1, 4, 2, 64), (1, 4099, 4, 2, 64))
 
+SMOKE_TIMEOUT_S = 120
+
+def smoke(kind, hd, variant):
+    "One small launch of a kernel variant (several key blocks, grouped heads), for a separate process: an mbarrier bug hangs."
+    from rtrainer.attention import fused_qkv_views, flash_attention_forward
+    q, k, v = fused_qkv_views(1, 400, 4, 2, hd, torch.bfloat16, "cuda")
+    if kind == "forward": gluon_forward(q, k, v, variant)
+    else:
+        do = torch.randn_like(q)
+        o, lse = flash_attention_forward(q, k, v, True)
+        gluon_dkdv(do, q, k, v, lse, (o.float() * do.float()).sum(-1).transpose(1, 2).contiguous(), variant)
+    torch.cuda.synchronize()
+
+def _smoke_ok(payload, kind, hd, variant):
+    "Run `smoke` in a child process with a time limit, so that a variant that hangs costs SMOKE_TIMEOUT_S, not the run."
+    try:
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--smoke", kind, str(hd), str(variant)],
+                           capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
+        status = "ok" if r.returncode == 0 else f"failed: {(r.stderr or r.stdout).strip()[-300:]}"
+    except subprocess.TimeoutExpired: status = f"hung: no result in {SMOKE_TIMEOUT_S} s"
+    payload["smoke"].append(dict(kernel=kind, hd=hd, variant=variant, status=status))
+    print(f"smoke {kind} hd {hd} variant {variant}: {status}", flush=True)
+    return status == "ok"
+
 def _checked(payload, kind, configs, check_fn, names):
     "Run check_fn on every case and variant; record the rows; return the (head dim, variant) pairs that passed all."
+    alive = {(hd, i) for hd, cs in configs.items() for i in range(len(cs)) if _smoke_ok(payload, kind, hd, i)}
     for case in CHECK_CASES:
         hd = case[-1]
         for variant, config in enumerate(configs[hd]):
+            if (hd, variant) not in alive:
+                payload["checks"].append(dict(case=case, kernel=kind, hd=hd, variant=config, ok=False, error="smoke launch failed or hung"))
+                continue
             try: row = check_fn(*case, variant)
             except Exception as e: row = dict(case=case, error=f"{type(e).__name__}: {str(e)[:300]}")
             row.update(kernel=kind, hd=hd, variant=config, ok=all(row.get(n, 1) < 1e-2 for n in names))
@@ -367,7 +395,7 @@ def gpu_main():
     import torch.nn.functional as F
     payload = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                    forward_configs={str(k): v for k, v in CONFIGS.items()}, dkdv_configs={str(k): v for k, v in DKDV_CONFIGS.items()},
-                   rounds=ROUNDS, checks=[], rows=[])
+                   rounds=ROUNDS, smoke=[], checks=[], rows=[])
     forward_ok = _checked(payload, "forward", CONFIGS, check, ("o", "lse"))
     dkdv_ok = _checked(payload, "dkdv", DKDV_CONFIGS, check_dkdv, ("dk", "dv"))
     for name in ("dense1b", "rb100m", "moe4b"):
@@ -403,5 +431,8 @@ def gpu_main():
 
 if __name__ == "__main__":
     if "--compile" in sys.argv: compile_check()
+    elif "--smoke" in sys.argv:
+        kind, hd, variant = sys.argv[sys.argv.index("--smoke") + 1:][:3]
+        smoke(kind, int(hd), int(variant))
     elif not torch.cuda.is_available(): sys.exit("attention_gluon: needs a CUDA GPU (or --compile)")
     else: gpu_main()
