@@ -19,11 +19,13 @@ after the loop. Q, K and V are read through 2-D TMA descriptors over (B*T, heads
 to be T times the row stride (true of rtrainer's fused QKV views); rows past T in a block belong to the next batch
 or are zero-filled, and the causal mask or the final store's row mask discards them. BLOCK_M == BLOCK_N.
 
-The dK/dV kernel (below) applies the same idea to the backward: the next step's two score products are issued
-before this step's exponentials, and the dV and dK products are left in flight into the next step.
+The dQ and dK/dV kernels (below) apply the same idea to the backward: a step's two score products are issued
+together and the exponentials run while the second is in flight, and the dQ (or dV and dK) products are left in
+flight into the next step. Every variant first runs one small launch in a child process with a time limit, since
+a mistake in the mbarrier phases hangs the GPU rather than failing.
 
 This is an experiment, not part of rtrainer. Gluon has no interpreter, so the math is only checked on a GPU:
-`python tests/attention_gluon.py` checks the forward's output and log-sum-exp and the backward's dK and dV against
+`python tests/attention_gluon.py` checks the forward's output and log-sum-exp and the backward's dQ, δ, dK and dV against
 float64 at odd shapes, then times each variant that passed against rtrainer's kernel (and the forward against
 cuDNN), alternated, at the reference shapes (writes $OUT/attention_gluon.json). `python tests/attention_gluon.py
 --compile` compiles both for sm_90 on a machine without a GPU and prints registers, spills, shared memory and the
@@ -34,7 +36,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, fence_async_shared, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait
 
 ROUNDS = 5
 # head dim: variants (BLOCK_M = BLOCK_N, warps, stages). 64 x 64 with one warpgroup is the tile of rtrainer's kernel;
@@ -274,13 +276,113 @@ def gluon_dkdv(do, q, k, v, lse, delta, variant=0):
         HEAD_DIM=hd, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, num_warps=warps)
     return dk, dv
 
+# ---- dQ: one program per query block, over the key blocks up to the diagonal ------------------------------------------
+# Per key block j:  issue S_j = Q K_jᵀ and dP_j = dO V_jᵀ;  wait until one is in flight (dQ of block j-1 and S_j done);
+# refill the freed slot; P = exp2(S·scale − lse) while dP_j runs;  wait for dP_j;  dS = P ∘ (dP − δ);  issue dQ += dS K_j.
+# δ = rowsum(dO ∘ O) is computed here, as in rtrainer's dQ kernel, and stored for the dK/dV kernel.
+DQ_CONFIGS = {64: [(64, 64, 4, 3)], 128: [(64, 64, 4, 3), (64, 32, 4, 3)]}   # head dim: variants (BLOCK_M, BLOCK_N, warps, stages)
+
+@gluon.jit
+def _tile_ptrs(base, b, h, rows, cols, stride_b, stride_t, stride_h):
+    return base + b.to(gl.int64) * stride_b + h.to(gl.int64) * stride_h + gl.expand_dims(rows, 1) * stride_t + gl.expand_dims(cols, 0)
+
+@gluon.jit
+def gluon_dq_kernel(k_desc, v_desc, Q, O, DO, LSE, DELTA, DQ, stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
+                    stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh, H, T, GROUP, scale_log2, sm_scale,
+                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    num_warps: gl.constexpr):
+    pid_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    kvh = h // GROUP
+    start_m = pid_m * BLOCK_M
+    row0 = b * T
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
+    a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
+    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
+    load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    q_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    k_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.bfloat16)
+
+    # Q and dO: loaded once with pointers into shared memory (they are wgmma operands); δ from dO and O in registers
+    rows = start_m + gl.arange(0, BLOCK_M, gl.SliceLayout(1, load_layout))
+    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, load_layout))
+    inside = gl.expand_dims(rows, 1) < T
+    q_tile = gl.load(_tile_ptrs(Q, b, h, rows, cols, stride_qb, stride_qt, stride_qh), mask=inside, other=0.0)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_DIM], smem_layout, q_tile)
+    do_tile = gl.load(_tile_ptrs(DO, b, h, rows, cols, stride_dob, stride_dot, stride_doh), mask=inside, other=0.0)
+    do_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_DIM], smem_layout, do_tile)
+    o_tile = gl.load(_tile_ptrs(O, b, h, rows, cols, stride_ob, stride_ot, stride_oh), mask=inside, other=0.0)
+    delta_rows = gl.sum(o_tile.to(gl.float32) * do_tile.to(gl.float32), axis=1)
+    gl.store(DELTA + (b * H + h).to(gl.int64) * T + rows, delta_rows, mask=rows < T)
+    fence_async_shared()                             # the generic-proxy stores above, before wgmma reads them
+
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bar.index(i), count=1)
+        mbarrier.init(v_bar.index(i), count=1)
+    n = gl.cdiv(gl.minimum(start_m + BLOCK_M, T), BLOCK_N)   # key blocks up to the diagonal
+    for i in gl.static_range(STAGES - 1):
+        if i < n:
+            _load_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, i, row0, kvh * HEAD_DIM, BLOCK_N, STAGES)
+
+    q_pos = start_m + gl.arange(0, BLOCK_M, q_rows)
+    lse2 = gl.load(LSE + (b * H + h).to(gl.int64) * T + q_pos, mask=q_pos < T, other=float("inf")) * 1.4426950408889634
+    delta = gl.convert_layout(delta_rows, q_rows)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, a_layout))
+    for j in range(0, n):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(k_bar.index(slot), phase)
+        s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(v_bar.index(slot), phase)
+        dp = warpgroup_mma(do_smem, v_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dq, s = warpgroup_mma_wait(num_outstanding=1, deps=[dq, s])
+        if j + STAGES - 1 < n:                       # block j-1's slot is free: prefetch block j + STAGES - 1
+            _load_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, j + STAGES - 1, row0, kvh * HEAD_DIM, BLOCK_N, STAGES)
+        p = gl.exp2(s * scale_log2 - gl.expand_dims(lse2, 1))
+        if (j + 1) * BLOCK_N > start_m:              # a key block that reaches the diagonal
+            k_pos = j * BLOCK_N + gl.arange(0, BLOCK_N, k_cols)
+            p = gl.where(gl.expand_dims(q_pos, 1) >= gl.expand_dims(k_pos, 0), p, 0.0)
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp])
+        ds = p * (dp - gl.expand_dims(delta, 1))
+        dq = warpgroup_mma(gl.convert_layout(ds.to(gl.bfloat16), ds_layout), k_smem.index(slot), dq, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(k_bar.index(i))
+        mbarrier.invalidate(v_bar.index(i))
+    out_rows = start_m + gl.arange(0, BLOCK_M, gl.SliceLayout(1, a_layout))
+    out_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, a_layout))
+    out = DQ + b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh + gl.expand_dims(out_rows, 1) * stride_dqt + gl.expand_dims(out_cols, 0)
+    gl.store(out, (dq * sm_scale).to(gl.bfloat16), mask=gl.expand_dims(out_rows, 1) < T)
+
+def gluon_dq(do, q, k, v, o, lse, variant=0):
+    "(dq (B,T,H,hd), delta (B,H,T) fp32) of the causal attention, like rtrainer's flash_backward_dq."
+    B, T, H, hd = q.shape
+    block_m, block_n, warps, stages = DQ_CONFIGS[hd][variant]
+    dq = torch.empty(B, T, H, hd, dtype=q.dtype, device=q.device)
+    delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
+    do = do.contiguous()
+    gluon_dq_kernel[(triton.cdiv(T, block_m), B * H)](
+        _descriptor(k, block_n), _descriptor(v, block_n), q, o, do, lse, delta, dq, *q.stride()[:3], *o.stride()[:3],
+        *do.stride()[:3], *dq.stride()[:3], H, T, H // k.shape[2], 1.4426950408889634 / hd ** 0.5, 1.0 / hd ** 0.5,
+        HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, num_warps=warps)
+    return dq, delta
+
 def _compile_sm90(kernel, consts, descs, warps):
     "Compile a Gluon kernel for sm_90 without a GPU: (ptxas's register / spill line, shared memory, PTX)."
     import inspect
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     params = list(inspect.signature(kernel.fn).parameters)
-    kinds = dict(O="*bf16", DK="*bf16", DV="*bf16", LSE="*fp32", DELTA="*fp32", scale_log2="fp32", sm_scale="fp32")
+    kinds = dict(Q="*bf16", O="*bf16", DO="*bf16", DQ="*bf16", DK="*bf16", DV="*bf16", LSE="*fp32", DELTA="*fp32",
+                 scale_log2="fp32", sm_scale="fp32")
     sig = {p: "constexpr" if p in consts else
            f"tensordesc<bf16[{descs[p][0]}, {descs[p][1]}],{_layout(list(descs[p]))!r}>" if p in descs else kinds.get(p, "i32")
            for p in params}
@@ -303,6 +405,11 @@ def compile_check():
         regs, smem, ptx = _compile_sm90(gluon_forward_kernel, dict(HEAD_DIM=hd, BLOCK=block, STAGES=stages, num_warps=warps),
                                         {d: (block, hd) for d in ("q_desc", "k_desc", "v_desc")}, warps)
         print(f"forward hd {hd}, {block} x {block}, {warps} warps, {stages} stages: {regs}, shared memory {smem} bytes, "
+              f"{ptx.count('wgmma.mma_async')} wgmma instructions, waits {_waits(ptx)}")
+    for hd, (block_m, block_n, warps, stages) in ((hd, c) for hd, cs in DQ_CONFIGS.items() for c in cs):
+        regs, smem, ptx = _compile_sm90(gluon_dq_kernel, dict(HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, num_warps=warps),
+                                        dict(k_desc=(block_n, hd), v_desc=(block_n, hd)), warps)
+        print(f"dQ hd {hd}, {block_m} queries x {block_n} keys, {warps} warps, {stages} stages: {regs}, shared memory {smem} bytes, "
               f"{ptx.count('wgmma.mma_async')} wgmma instructions, waits {_waits(ptx)}")
     for hd, (block_n, block_m, warps, stages) in ((hd, c) for hd, cs in DKDV_CONFIGS.items() for c in cs):
         regs, smem, ptx = _compile_sm90(gluon_dkdv_kernel, dict(HEAD_DIM=hd, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, num_warps=warps),
@@ -333,6 +440,19 @@ def check_dkdv(B, T, H, KV, hd, variant=0, device="cuda"):
     ref_dk, ref_dv = torch.autograd.grad(attention_reference(q64, k64, v64, True), (k64, v64), do.double())
     return dict(B=B, T=T, H=H, KV=KV, hd=hd, variant=DKDV_CONFIGS[hd][variant], dk=relative_error(dk, ref_dk), dv=relative_error(dv, ref_dv))
 
+def check_dq(B, T, H, KV, hd, variant=0, device="cuda"):
+    "dQ and delta of the Gluon kernel against float64 autograd and rowsum(dO * O), from rtrainer's forward o and lse."
+    from rtrainer.attention import fused_qkv_views, attention_reference, relative_error, flash_attention_forward
+    torch.manual_seed(2)
+    q, k, v = fused_qkv_views(B, T, H, KV, hd, torch.bfloat16, device)
+    do = torch.randn(B, T, H, hd, dtype=torch.bfloat16, device=device)
+    o, lse = flash_attention_forward(q, k, v, True)
+    dq, delta = gluon_dq(do, q, k, v, o, lse, variant)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_dq, = torch.autograd.grad(attention_reference(q64, k64, v64, True), (q64,), do.double())
+    return dict(B=B, T=T, H=H, KV=KV, hd=hd, variant=DQ_CONFIGS[hd][variant], dq=relative_error(dq, ref_dq),
+                delta=relative_error(delta, (o.double() * do.double()).sum(-1).transpose(1, 2)))
+
 def _ratios(times, base, arm):
     "(mean, low, high) of base time / arm time over the paired rounds: the arm's speed relative to base."
     from rtrainer.kernels import ratio_interval
@@ -348,33 +468,42 @@ def _alternate(arms, rounds):
 
 CHECK_CASES = ((2, 1000, 12, 4, 64), (1, 777, 16, 16, 128), (2, 257, 8, 1, 128), (1, 1, 4, 2, 64), (1, 4099, 4, 2, 64))
 
-SMOKE_TIMEOUT_S = 120
+SMOKE_TIMEOUT_S = 150
+KERNEL_CONFIGS = dict(forward=CONFIGS, dq=DQ_CONFIGS, dkdv=DKDV_CONFIGS)
 
-def smoke(kind, hd, variant):
-    "One small launch of a kernel variant (several key blocks, grouped heads), for a separate process: an mbarrier bug hangs."
+def smoke(kind):
+    "One small launch of every variant of one kernel (several key blocks, grouped heads), printing each that finished."
     from rtrainer.attention import fused_qkv_views, flash_attention_forward
-    q, k, v = fused_qkv_views(1, 400, 4, 2, hd, torch.bfloat16, "cuda")
-    if kind == "forward": gluon_forward(q, k, v, variant)
-    else:
+    for hd, configs in KERNEL_CONFIGS[kind].items():
+        q, k, v = fused_qkv_views(1, 400, 4, 2, hd, torch.bfloat16, "cuda")
         do = torch.randn_like(q)
         o, lse = flash_attention_forward(q, k, v, True)
-        gluon_dkdv(do, q, k, v, lse, (o.float() * do.float()).sum(-1).transpose(1, 2).contiguous(), variant)
-    torch.cuda.synchronize()
+        delta = (o.float() * do.float()).sum(-1).transpose(1, 2).contiguous()
+        for variant in range(len(configs)):
+            print(f"SMOKE {hd} {variant} started", flush=True)
+            if kind == "forward": gluon_forward(q, k, v, variant)
+            elif kind == "dq": gluon_dq(do, q, k, v, o, lse, variant)
+            else: gluon_dkdv(do, q, k, v, lse, delta, variant)
+            torch.cuda.synchronize()
+            print(f"SMOKE {hd} {variant} ok", flush=True)
 
-def _smoke_ok(payload, kind, hd, variant):
-    "Run `smoke` in a child process with a time limit, so that a variant that hangs costs SMOKE_TIMEOUT_S, not the run."
+def _smoked(payload, kind):
+    "Run `smoke(kind)` in a child process with a time limit (an mbarrier bug hangs the GPU); the (hd, variant) pairs that finished."
     try:
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--smoke", kind, str(hd), str(variant)],
-                           capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
-        status = "ok" if r.returncode == 0 else f"failed: {(r.stderr or r.stdout).strip()[-300:]}"
-    except subprocess.TimeoutExpired: status = f"hung: no result in {SMOKE_TIMEOUT_S} s"
-    payload["smoke"].append(dict(kernel=kind, hd=hd, variant=variant, status=status))
-    print(f"smoke {kind} hd {hd} variant {variant}: {status}", flush=True)
-    return status == "ok"
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--smoke", kind], capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
+        out, note = r.stdout, "" if r.returncode == 0 else f"exit {r.returncode}: {r.stderr.strip()[-300:]}"
+    except subprocess.TimeoutExpired as e:
+        out, note = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), f"hung: stopped after {SMOKE_TIMEOUT_S} s"
+    done = {(int(hd), int(v)) for hd, v in re.findall(r"SMOKE (\d+) (\d+) ok", out)}
+    started = re.findall(r"SMOKE (\d+) (\d+) started", out)
+    culprit = started[-1] if started and (int(started[-1][0]), int(started[-1][1])) not in done else None
+    payload["smoke"].append(dict(kernel=kind, finished=sorted(done), culprit=culprit, note=note))
+    print(f"smoke {kind}: finished {sorted(done)}" + (f"; {note} at head dim {culprit[0]}, variant {culprit[1]}" if note else ""), flush=True)
+    return done
 
 def _checked(payload, kind, configs, check_fn, names):
     "Run check_fn on every case and variant; record the rows; return the (head dim, variant) pairs that passed all."
-    alive = {(hd, i) for hd, cs in configs.items() for i in range(len(cs)) if _smoke_ok(payload, kind, hd, i)}
+    alive = _smoked(payload, kind)
     for case in CHECK_CASES:
         hd = case[-1]
         for variant, config in enumerate(configs[hd]):
@@ -390,13 +519,16 @@ def _checked(payload, kind, configs, check_fn, names):
             if all(r["ok"] for r in payload["checks"] if r["kernel"] == kind and r["hd"] == hd and r["variant"] == c)}
 
 def gpu_main():
-    from rtrainer.attention import flash_attention_forward, flash_backward_dkdv, fused_qkv_views, attention_flops, REFERENCE_ATTENTION_SHAPES
+    from rtrainer.attention import (flash_attention_forward, flash_backward_dq, flash_backward_dkdv, fused_qkv_views, attention_flops,
+                                    REFERENCE_ATTENTION_SHAPES)
     from torch.nn.attention import sdpa_kernel, SDPBackend
     import torch.nn.functional as F
     payload = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                   forward_configs={str(k): v for k, v in CONFIGS.items()}, dkdv_configs={str(k): v for k, v in DKDV_CONFIGS.items()},
+                   forward_configs={str(k): v for k, v in CONFIGS.items()}, dq_configs={str(k): v for k, v in DQ_CONFIGS.items()},
+                   dkdv_configs={str(k): v for k, v in DKDV_CONFIGS.items()},
                    rounds=ROUNDS, smoke=[], checks=[], rows=[])
     forward_ok = _checked(payload, "forward", CONFIGS, check, ("o", "lse"))
+    dq_ok = _checked(payload, "dq", DQ_CONFIGS, check_dq, ("dq", "delta"))
     dkdv_ok = _checked(payload, "dkdv", DKDV_CONFIGS, check_dkdv, ("dk", "dv"))
     for name in ("dense1b", "rb100m", "moe4b"):
         B, H, KV, T, hd = REFERENCE_ATTENTION_SHAPES[name]
@@ -410,11 +542,13 @@ def gpu_main():
         flops = attention_flops(B, H, T, hd)
         for kind, arms, passed, configs, work in (
                 ("forward", {"rtrainer": lambda: flash_attention_forward(q, k, v, True), "cudnn": cudnn}, forward_ok, CONFIGS, flops),
-                ("dkdv", {"rtrainer": lambda: flash_backward_dkdv(do, q, k, v, lse, delta, True)}, dkdv_ok, DKDV_CONFIGS, 2 * flops)):   # dK/dV: four tile matmuls to the forward's two
+                ("dq", {"rtrainer": lambda: flash_backward_dq(do, q, k, v, o, lse, True)}, dq_ok, DQ_CONFIGS, 1.5 * flops),   # three tile matmuls
+                ("dkdv", {"rtrainer": lambda: flash_backward_dkdv(do, q, k, v, lse, delta, True)}, dkdv_ok, DKDV_CONFIGS, 2 * flops)):   # four
             for i, c in enumerate(configs[hd]):
                 if (hd, c) not in passed: continue
-                arms["gluon " + "/".join(map(str, c))] = ((lambda i=i: gluon_forward(q, k, v, i)) if kind == "forward"
-                                                          else (lambda i=i: gluon_dkdv(do, q, k, v, lse, delta, i)))
+                launch = dict(forward=lambda i=i: gluon_forward(q, k, v, i), dq=lambda i=i: gluon_dq(do, q, k, v, o, lse, i),
+                              dkdv=lambda i=i: gluon_dkdv(do, q, k, v, lse, delta, i))[kind]
+                arms["gluon " + "/".join(map(str, c))] = launch
             if len(arms) == (2 if kind == "forward" else 1): print(f"{name}: no {kind} variant passed its checks: not timed"); continue
             times = _alternate(arms, ROUNDS)
             row = dict(shape=name, kernel=kind, **{f"{a} ms": statistics.median(t) for a, t in times.items()},
@@ -431,8 +565,6 @@ def gpu_main():
 
 if __name__ == "__main__":
     if "--compile" in sys.argv: compile_check()
-    elif "--smoke" in sys.argv:
-        kind, hd, variant = sys.argv[sys.argv.index("--smoke") + 1:][:3]
-        smoke(kind, int(hd), int(variant))
+    elif "--smoke" in sys.argv: smoke(sys.argv[sys.argv.index("--smoke") + 1])
     elif not torch.cuda.is_available(): sys.exit("attention_gluon: needs a CUDA GPU (or --compile)")
     else: gpu_main()

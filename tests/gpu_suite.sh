@@ -48,7 +48,7 @@ for s in "$@"; do case $s in
   forward-variants)   stage forward_variants 150 $PY tests/forward_variants.py ;;       # why four forwards trailed compile: writes $OUT/forward_variants.json
   attention-variants) stage attention_variants 360 $PY tests/attention_variants.py ;;   # flash-attention forward variants vs cuDNN: $OUT/attention_variants.json
   moe-profile) stage moe_profile 150 $PY tests/moe_profile.py ;;   # a MoE layer step's kernels, GEMMs and the rest: $OUT/moe_profile.json
-  attention-gluon) stage attention_gluon ${GLUON_LIMIT:-300} $PY tests/attention_gluon.py ;;   # Gluon forward and dK/dV with hand-placed wgmma waits, checked, then timed vs rtrainer (and cuDNN): $OUT/attention_gluon.json
+  attention-gluon) stage attention_gluon ${GLUON_LIMIT:-300} $PY tests/attention_gluon.py ;;   # Gluon forward, dQ and dK/dV with hand-placed wgmma waits, checked, then timed vs rtrainer (and cuDNN): $OUT/attention_gluon.json
   grad-release) stage grad_release ${RELEASE_LIMIT:-300} $PY tests/grad_release_check.py ;;   # free vs keep the fp32 gradient buffers between steps, and expandable segments: $OUT/grad_release_check.json
   attention-configs) stage attention_configs ${CONFIGS_LIMIT:-300} $PY tests/attention_configs.py ;;   # block-size / warps / stages / register-cap sweep of the three kernels: $OUT/attention_configs.json
   attention-math) stage attention_math ${MATH_LIMIT:-480} $PY tests/attention_math_variants.py ;;   # instruction-count forward and atomic-dQ backward variants: $OUT/attention_math_variants.json
