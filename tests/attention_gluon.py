@@ -53,6 +53,24 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, j, row0, col, BLOCK_N
     tma.async_copy_global_to_shared(v_desc, [row0 + j * BLOCK_N, col], v_bar.index(slot), v_smem.index(slot))
 
 @gluon.jit
+def _ring(a_desc, b_desc, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    "Two rings of STAGES (ROWS, HEAD_DIM) shared-memory tiles, filled by TMA from a_desc and b_desc, and their mbarriers."
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, ROWS, HEAD_DIM], a_desc.layout)
+    b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, ROWS, HEAD_DIM], b_desc.layout)
+    a_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    b_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(a_bar.index(i), count=1)
+        mbarrier.init(b_bar.index(i), count=1)
+    return a_smem, b_smem, a_bar, b_bar
+
+@gluon.jit
+def _release(a_bar, b_bar, STAGES: gl.constexpr):
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(a_bar.index(i))
+        mbarrier.invalidate(b_bar.index(i))
+
+@gluon.jit
 def _online_softmax(s, m_i, l_i, scale_log2):
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)
     p = gl.exp2(s * scale_log2 - gl.expand_dims(m_new, 1))
@@ -78,15 +96,9 @@ def gluon_forward_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot, s
     o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK, HEAD_DIM], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_bar.index(i), count=1)
-        mbarrier.init(v_bar.index(i), count=1)
+    k_smem, v_smem, k_bar, v_bar = _ring(k_desc, v_desc, BLOCK, HEAD_DIM, STAGES)
 
     n = pid_m + 1                                    # key blocks 0 .. pid_m; the last is the diagonal one
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
@@ -130,9 +142,7 @@ def gluon_forward_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot, s
     acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_layout), v_smem.index(last), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     mbarrier.invalidate(q_bar)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(k_bar.index(i))
-        mbarrier.invalidate(v_bar.index(i))
+    _release(k_bar, v_bar, STAGES)
 
     acc = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
     rows = start_m + gl.arange(0, BLOCK, o_rows)
@@ -203,15 +213,9 @@ def gluon_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, strid
 
     k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_bar.index(i), count=1)
-        mbarrier.init(do_bar.index(i), count=1)
+    q_smem, do_smem, q_bar, do_bar = _ring(q_desc, do_desc, BLOCK_M, HEAD_DIM, STAGES)
 
     first_i = start_n // BLOCK_M                     # the first query block that sees these keys (BLOCK_M divides BLOCK_N)
     n_i = gl.cdiv(T, BLOCK_M) - first_i              # query blocks per head
@@ -254,9 +258,7 @@ def gluon_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, strid
         dk = warpgroup_mma(gl.convert_layout(dsT.to(gl.bfloat16), p_layout), q_smem.index(slot), dk, is_async=True)
     dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
     mbarrier.invalidate(kv_bar)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(q_bar.index(i))
-        mbarrier.invalidate(do_bar.index(i))
+    _release(q_bar, do_bar, STAGES)
     rows = start_n + gl.arange(0, BLOCK_N, gl.SliceLayout(1, a_layout))
     cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, a_layout))
     out = b.to(gl.int64) * stride_dkb + kvh.to(gl.int64) * stride_dkh + gl.expand_dims(rows, 1) * stride_dkt + gl.expand_dims(cols, 0)
@@ -319,13 +321,7 @@ def gluon_dq_kernel(k_desc, v_desc, Q, O, DO, LSE, DELTA, DQ, stride_qb, stride_
     gl.store(DELTA + (b * H + h).to(gl.int64) * T + rows, delta_rows, mask=rows < T)
     fence_async_shared()                             # the generic-proxy stores above, before wgmma reads them
 
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_bar.index(i), count=1)
-        mbarrier.init(v_bar.index(i), count=1)
+    k_smem, v_smem, k_bar, v_bar = _ring(k_desc, v_desc, BLOCK_N, HEAD_DIM, STAGES)
     n = gl.cdiv(gl.minimum(start_m + BLOCK_M, T), BLOCK_N)   # key blocks up to the diagonal
     for i in gl.static_range(STAGES - 1):
         if i < n:
@@ -354,9 +350,7 @@ def gluon_dq_kernel(k_desc, v_desc, Q, O, DO, LSE, DELTA, DQ, stride_qb, stride_
         ds = p * (dp - gl.expand_dims(delta, 1))
         dq = warpgroup_mma(gl.convert_layout(ds.to(gl.bfloat16), ds_layout), k_smem.index(slot), dq, is_async=True)
     dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(k_bar.index(i))
-        mbarrier.invalidate(v_bar.index(i))
+    _release(k_bar, v_bar, STAGES)
     out_rows = start_m + gl.arange(0, BLOCK_M, gl.SliceLayout(1, a_layout))
     out_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, a_layout))
     out = DQ + b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh + gl.expand_dims(out_rows, 1) * stride_dqt + gl.expand_dims(out_cols, 0)
