@@ -71,6 +71,12 @@ def _release(a_bar, b_bar, STAGES: gl.constexpr):
         mbarrier.invalidate(b_bar.index(i))
 
 @gluon.jit
+def _query_program(H, GROUP):
+    "This program's query block index, batch, query head and KV head (grid: query blocks x B*H)."
+    bh = gl.program_id(1)
+    return gl.program_id(0), bh // H, bh % H, (bh % H) // GROUP
+
+@gluon.jit
 def _online_softmax(s, m_i, l_i, scale_log2):
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)
     p = gl.exp2(s * scale_log2 - gl.expand_dims(m_new, 1))
@@ -80,11 +86,7 @@ def _online_softmax(s, m_i, l_i, scale_log2):
 @gluon.jit
 def gluon_forward_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot, stride_oh, H, T, GROUP, scale_log2,
                          HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
-    pid_m = gl.program_id(0)
-    bh = gl.program_id(1)
-    b = bh // H
-    h = bh % H
-    kvh = h // GROUP
+    pid_m, b, h, kvh = _query_program(H, GROUP)
     start_m = pid_m * BLOCK
     row0 = b * T                                     # this batch's first row in the (B*T, heads*hd) views
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK, 16])
@@ -293,11 +295,7 @@ def gluon_dq_kernel(k_desc, v_desc, Q, O, DO, LSE, DELTA, DQ, stride_qb, stride_
                     stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh, H, T, GROUP, scale_log2, sm_scale,
                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     num_warps: gl.constexpr):
-    pid_m = gl.program_id(0)
-    bh = gl.program_id(1)
-    b = bh // H
-    h = bh % H
-    kvh = h // GROUP
+    pid_m, b, h, kvh = _query_program(H, GROUP)
     start_m = pid_m * BLOCK_M
     row0 = b * T
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
@@ -421,29 +419,28 @@ def check(B, T, H, KV, hd, variant=0, device="cuda"):
     s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=device).triu(1), float("-inf"))
     return dict(B=B, T=T, H=H, KV=KV, hd=hd, variant=CONFIGS[hd][variant], o=relative_error(o, ref), lse=relative_error(lse, torch.logsumexp(s, -1)))
 
-def check_dkdv(B, T, H, KV, hd, variant=0, device="cuda"):
-    "dK, dV of the Gluon kernel against float64 autograd, from rtrainer's forward lse and delta = rowsum(dO * O)."
-    from rtrainer.attention import fused_qkv_views, attention_reference, relative_error, flash_attention_forward
+def _backward_case(B, T, H, KV, hd, device="cuda"):
+    "bf16 q, k, v, dO; rtrainer's forward o and lse; the float64 reference's (dq, dk, dv)."
+    from rtrainer.attention import fused_qkv_views, attention_reference, flash_attention_forward
     torch.manual_seed(1)
     q, k, v = fused_qkv_views(B, T, H, KV, hd, torch.bfloat16, device)
     do = torch.randn(B, T, H, hd, dtype=torch.bfloat16, device=device)
     o, lse = flash_attention_forward(q, k, v, True)
-    delta = (o.float() * do.float()).sum(-1).transpose(1, 2).contiguous()
-    dk, dv = gluon_dkdv(do, q, k, v, lse, delta, variant)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref_dk, ref_dv = torch.autograd.grad(attention_reference(q64, k64, v64, True), (k64, v64), do.double())
+    return q, k, v, do, o, lse, torch.autograd.grad(attention_reference(q64, k64, v64, True), (q64, k64, v64), do.double())
+
+def check_dkdv(B, T, H, KV, hd, variant=0):
+    "dK, dV of the Gluon kernel against float64 autograd, from rtrainer's forward lse and delta = rowsum(dO * O)."
+    from rtrainer.attention import relative_error
+    q, k, v, do, o, lse, (_, ref_dk, ref_dv) = _backward_case(B, T, H, KV, hd)
+    dk, dv = gluon_dkdv(do, q, k, v, lse, (o.float() * do.float()).sum(-1).transpose(1, 2).contiguous(), variant)
     return dict(B=B, T=T, H=H, KV=KV, hd=hd, variant=DKDV_CONFIGS[hd][variant], dk=relative_error(dk, ref_dk), dv=relative_error(dv, ref_dv))
 
-def check_dq(B, T, H, KV, hd, variant=0, device="cuda"):
+def check_dq(B, T, H, KV, hd, variant=0):
     "dQ and delta of the Gluon kernel against float64 autograd and rowsum(dO * O), from rtrainer's forward o and lse."
-    from rtrainer.attention import fused_qkv_views, attention_reference, relative_error, flash_attention_forward
-    torch.manual_seed(2)
-    q, k, v = fused_qkv_views(B, T, H, KV, hd, torch.bfloat16, device)
-    do = torch.randn(B, T, H, hd, dtype=torch.bfloat16, device=device)
-    o, lse = flash_attention_forward(q, k, v, True)
+    from rtrainer.attention import relative_error
+    q, k, v, do, o, lse, (ref_dq, _, _) = _backward_case(B, T, H, KV, hd)
     dq, delta = gluon_dq(do, q, k, v, o, lse, variant)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref_dq, = torch.autograd.grad(attention_reference(q64, k64, v64, True), (q64,), do.double())
     return dict(B=B, T=T, H=H, KV=KV, hd=hd, variant=DQ_CONFIGS[hd][variant], dq=relative_error(dq, ref_dq),
                 delta=relative_error(delta, (o.double() * do.double()).sum(-1).transpose(1, 2)))
 
