@@ -241,15 +241,17 @@ def flash_backward_dq_kernel(
 # - Short, head dim 64: the fastest, or within 1% of it, at rb100m, prof183m and moe4b (T 1024). A cap of 168
 #   registers lets three 4-warp programs share an SM's 64K registers; it made the dK/dV 32 x 64 tile the fastest there.
 #   dK/dV's 64 x 64 tile was fastest at rb100m by 0.6% but 8% slower at prof183m and moe4b.
-# - Long, head dim 64: at T 4096 and 8192 the 8-warp 128 x 64 tiles capped at 128 registers (forward, dQ) and the
-#   uncapped 64 x 64 dK/dV tile are 3 to 8% faster per kernel, 5 to 6% over the three; at T 1024 they are 3% slower.
+# - Long, head dim 64: at T 4096 and 8192 the 8-warp 128 x 64 dQ tile capped at 128 registers and the uncapped
+#   64 x 64 dK/dV tile are 6 to 8% faster per kernel; at T 1024 they are slower. The forward keeps its 64 x 64 tile:
+#   the sweep had the capped 128 x 64 tile 3% ahead, but timed through `flash_attention` in one process (seventh
+#   round) the 64 x 64 tile was 2 to 6% faster at T 2048 to 8192.
 # - Head dim 128: dense1b (T 1024) only; the runners-up tied within 1%. The long class repeats the short one, unmeasured.
 # One fixed config per class, not triton.autotune: the autotuner times every config once per new key, and a key
 # without the shape lets the first call's shape choose for all later ones (the GPU parity test, run first at B 2,
 # once left rb100m's backward 7% slower in the same process).
 LONG_SEQUENCE = 4096
 TUNED_CONFIGS = {   # forward and dQ need BLOCK_M % BLOCK_N == 0, dK/dV BLOCK_N % BLOCK_M == 0
-    "forward": {(64, "short"): (64, 64, 4, 3, None), (64, "long"): (128, 64, 8, 3, 128),
+    "forward": {(64, "short"): (64, 64, 4, 3, None), (64, "long"): (64, 64, 4, 3, None),
                 (128, "short"): (64, 64, 4, 3, None), (128, "long"): (64, 64, 4, 3, None)},
     "dq": {(64, "short"): (64, 32, 4, 3, None), (64, "long"): (128, 64, 8, 3, 128),
            (128, "short"): (64, 32, 4, 3, None), (128, "long"): (64, 32, 4, 3, None)},

@@ -47,9 +47,11 @@ for s in "$@"; do case $s in
   curves-*)  c=${s#curves-}; b=$($PY -c "from rtrainer.model import REFERENCE_BATCH as R; print(R['$c'])"); stage "loss_curves_$c" ${CURVES_LIMIT:-300} $PY tests/gpu_train_bench.py --arms $c:$b:torch,$c:$b:triton --rounds 1 --steps ${CURVE_STEPS:-200} --data data/python-docs --name "loss_curves_$c" --extra "--lr 6e-4 --warmup 20 ${CURVE_EXTRA:---vocab-size 50257}" ;;   # the python-docs shard is r50k: rb100m needs the wider vocabulary
   forward-variants)   stage forward_variants 150 $PY tests/forward_variants.py ;;       # why four forwards trailed compile: writes $OUT/forward_variants.json
   attention-variants) stage attention_variants 360 $PY tests/attention_variants.py ;;   # flash-attention forward variants vs cuDNN: $OUT/attention_variants.json
+  moe-gemm-variants) stage moe_gemm_variants ${GEMMV_LIMIT:-240} $PY tests/moe_gemm_variants.py ;;   # TMA / persistent Triton GEMMs and a SwiGLU epilogue vs cuBLAS at the moe4b expert shapes: $OUT/moe_gemm_variants.json
   moe-profile) stage moe_profile 150 $PY tests/moe_profile.py ;;   # a MoE layer step's kernels, GEMMs and the rest: $OUT/moe_profile.json
   attention-gluon) stage attention_gluon ${GLUON_LIMIT:-300} $PY tests/attention_gluon.py ;;   # Gluon forward, dQ and dK/dV with hand-placed wgmma waits, checked, then timed vs rtrainer (and cuDNN): $OUT/attention_gluon.json
   grad-release) stage grad_release ${RELEASE_LIMIT:-300} $PY tests/grad_release_check.py ;;   # free vs keep the fp32 gradient buffers between steps, and expandable segments: $OUT/grad_release_check.json
+  attention-long-forward) stage attention_long_forward 150 $PY tests/attention_long_forward.py ;;   # the two forward tiles at T 2048-8192, paired, timed as the benchmark does: $OUT/attention_long_forward.json
   attention-configs) stage attention_configs ${CONFIGS_LIMIT:-300} $PY tests/attention_configs.py ;;   # block-size / warps / stages / register-cap sweep of the three kernels: $OUT/attention_configs.json
   attention-math) stage attention_math ${MATH_LIMIT:-480} $PY tests/attention_math_variants.py ;;   # instruction-count forward and atomic-dQ backward variants: $OUT/attention_math_variants.json
   optimizer-full) stage bench_optimizer_full ${OPT_LIMIT:-150} $PY -c "from rtrainer.optimizer import benchmark_suite; benchmark_suite()" ;;
