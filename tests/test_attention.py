@@ -83,7 +83,8 @@ def test_tuned_config_picks_by_head_dim_and_length():
     assert short64 == dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=168)
     assert long64 == dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)        # no register cap
     assert attention.tuned_config("forward", 16, 4 * L) == attention.tuned_config("forward", 64, 4 * L)   # 16 and 32 take 64's
-    assert attention.tuned_config("forward", 64, L)["num_warps"] == 8 and attention.tuned_config("forward", 64, 1024)["num_warps"] == 4
+    assert attention.tuned_config("dq", 64, L)["num_warps"] == 8 and attention.tuned_config("dq", 64, 1024)["num_warps"] == 4
+    assert attention.tuned_config("forward", 64, L) == attention.tuned_config("forward", 64, 1024)      # one forward tile at head dim 64
     for kernel in ("forward", "dq", "dkdv"):
         for hd in attention.SUPPORTED_HEAD_DIMS:
             for T in (1, 1024, L - 1, L, 8192):
