@@ -25,7 +25,7 @@ from torch import nn
 from torch.profiler import profile as torch_profile, ProfilerActivity, record_function
 from .kernels import (machine_metadata, save_results, show_results, load_results, git_commit, PROJECT_ROOT,
                               ratio_interval, spread, alternation)   # the kernels chapter's paired statistics
-from .optimizer import policy_dtype, parameter_kind
+from .optimizer import policy_dtype, parameter_kind, TABLE_BUILDS
 from .model import ModelConfig, TransformerLm, model_config, PRESETS, REFERENCE_BATCH, parameter_counts, flops_per_token
 from .training import Trainer, TrainConfig, DATASHEET_PEAK_TFLOPS, device_peak_tflops, mfu, NonFiniteLoss
 
@@ -578,11 +578,14 @@ def run_arm(spec):
         _sync(device); result["compile_s"] = time.perf_counter() - t0
         if device.type == "cuda": torch.cuda.reset_peak_memory_stats(device)   # the peak of training, not of autotuning
         del losses[:]
+        builds = dict(TABLE_BUILDS)
         t0 = time.perf_counter()
         for i in range(spec["warmup"], spec["warmup"] + spec["steps"]): step(i)
         _sync(device); seconds = time.perf_counter() - t0
         values = [float(l) for l in losses]
         result.update(step_ms=seconds / spec["steps"] * 1e3, census=census(), cuda_graphs=cuda_graphs_recorded())
+        if spec["arm"] == "rtrainer":     # device tables the fused optimizer rebuilt in the timed steps (gradients that moved)
+            result["optimizer_table_builds"] = {k: TABLE_BUILDS[k] - builds[k] for k in builds}
         if device.type == "cuda":
             result.update(peak_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30,
                           peak_reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30,
@@ -636,7 +639,8 @@ def versus(config="tiny", tiers=("eager", "default"), rounds=3, steps=10, warmup
             res = run_arm_process(dict(base, arm=arm), timeout=timeout) if isolate else run_arm(dict(base, arm=arm))
             results[arm].append(res)
             memory = f", peak {res['peak_memory_gib']:.1f} GiB" if res.get("peak_memory_gib") is not None else ""
-            what = (f"{res['tokens_per_s']:,.0f} tokens/s{memory}, compile {res.get('compile_s', 0):.1f} s" if res.get("tokens_per_s")
+            tables = f", optimizer tables rebuilt {res['optimizer_table_builds']}" if res.get("optimizer_table_builds") else ""
+            what = (f"{res['tokens_per_s']:,.0f} tokens/s{memory}, compile {res.get('compile_s', 0):.1f} s{tables}" if res.get("tokens_per_s")
                     else res.get("status"))
             log(f"round {r + 1} {arm}: {what}")
     for a in arms:

@@ -326,6 +326,22 @@ def test_device_tables_cache_validates_only_new_entries():
     with pytest.raises(ValueError, match="bad tensor"): _tables([[1], [2]], "cpu", bad)
     with pytest.raises(ValueError, match="bad tensor"): _tables([[1], [2]], "cpu", bad)   # a failed check caches nothing
 
+@needs_triton
+def test_a_moved_gradient_resends_its_columns_but_not_the_chunk_plan():
+    "A gradient at a new address rebuilds the small per-tensor table; the chunk plan of the same sizes is built once."
+    from rtrainer.optimizer import TABLE_BUILDS, fused_grad_norm
+    torch.manual_seed(3)
+    sizes = [(7, 5), (3000,), (1, 1)]                      # odd sizes: several chunks and a one-element tensor
+    before, alive = dict(TABLE_BUILDS), []
+    for _ in range(3):                                      # fresh tensors every time, like autograd's .grad each step
+        grads = [torch.randn(s, device=DEVICE) for s in sizes]
+        alive.append(grads)                                 # kept alive, so the next ones land at new addresses
+        want = torch.sqrt(sum((g.double() ** 2).sum() for g in grads))
+        got = fused_grad_norm(grads)
+        assert abs(got.item() - want.item()) <= 1e-5 * want.item(), (got.item(), want.item())
+    assert TABLE_BUILDS["plans"] - before["plans"] == 1, TABLE_BUILDS
+    assert TABLE_BUILDS["columns"] - before["columns"] == 3, TABLE_BUILDS
+
 def test_zero_grad_frees_the_fp32_gradient_buffers_and_the_next_step_starts_clean():
     (name, p), = named(("w.weight", (6, 5), torch.bfloat16), seed=11)
     opt = AdamW([(name, p)], lr=1e-2, weight_decay=0.0, impl="torch")
