@@ -97,36 +97,28 @@ def check(B, T, H, KV, hd, dtype, device):
 def inspect():
     "Compile both forwards for sm_90 with Triton's own compiler (no GPU) and print the loop's wgmma waits and registers."
     import inspect as ins
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from sm90_compile import compile_sm90, ptxas_usage
     from rtrainer.attention import flash_forward_kernel
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     for hd in (64, 128):
         for name, kernel in (("rtrainer", flash_forward_kernel), ("ahead", ahead_forward_kernel)):
             params = list(ins.signature(kernel.fn).parameters)
             consts = dict(HEAD_DIM=hd, BLOCK_M=64, BLOCK_N=64, PRECISION="tf32", **({"CAUSAL": True} if "CAUSAL" in params else {}))
             sig, hints = {}, []
             for p in params:
-                if p in consts: sig[p] = "constexpr"
+                if p in consts: continue
                 elif p in ("Q", "K", "V", "O"): sig[p] = "*bf16"; hints.append(p)
                 elif p == "LSE": sig[p] = "*fp32"; hints.append(p)
                 elif p == "scale_log2": sig[p] = "fp32"
                 else:
                     sig[p] = "i32"
                     if p.startswith("stride") or p == "T": hints.append(p)
-            src = ASTSource(fn=kernel, signature=sig, constexprs={(params.index(n),): c for n, c in consts.items()},
-                            attrs={(params.index(p),): [["tt.divisibility", 16]] for p in hints})
-            c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
+            c = compile_sm90(kernel, sig, consts, hints, warps=4, stages=3)
             ttgir = c.asm["ttgir"]
             dots = re.findall(r"ttng.warp_group_dot [^\n]*", ttgir)
             waits = re.findall(r"ttng.warp_group_dot_wait [^\n]*pendings = (\d+)", ttgir)
-            import subprocess, tempfile
-            with tempfile.TemporaryDirectory() as t:
-                open(f"{t}/k.ptx", "w").write(re.sub(r"\.version \d+\.\d+", ".version 8.7", c.asm["ptx"]))
-                out = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f"{t}/k.ptx", "-o", f"{t}/k.cubin"], capture_output=True, text=True).stderr
-            r, sp = re.search(r"Used (\d+) registers", out), re.search(r"(\d+) bytes spill stores", out)
+            registers, spilled = ptxas_usage(c.asm["ptx"])
             print(f"hd {hd} {name:8}: {len(dots)} wgmma ops ({sum('isAsync = true' in d for d in dots)} async), waits with pendings {waits},"
-                  f" {r.group(1) if r else '?'} registers, spills {sp.group(1) if sp else '?'} bytes, smem {c.metadata.shared}")
+                  f" {registers} registers, spills {spilled} bytes, smem {c.metadata.shared}")
 
 def gpu_main():
     dev, bf16 = "cuda", torch.bfloat16

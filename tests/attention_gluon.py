@@ -30,7 +30,7 @@ float64 at odd shapes, then times each variant that passed against rtrainer's ke
 cuDNN), alternated, at the reference shapes (writes $OUT/attention_gluon.json). `python tests/attention_gluon.py
 --compile` compiles both for sm_90 on a machine without a GPU and prints registers, spills, shared memory and the
 wgmma waits in their PTX."""
-import json, os, re, statistics, subprocess, sys, tempfile, time
+import json, os, re, statistics, subprocess, sys, time
 import torch
 import triton
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -382,13 +382,10 @@ def _compile_sm90(kernel, consts, descs, warps):
            for p in params}
     src = GluonASTSource(kernel, sig, constexprs={(params.index(n),): c for n, c in consts.items()})
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
+    from sm90_compile import ptxas_usage
     ptx = c.asm["ptx"]
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as t:
-        open(f"{t}/k.ptx", "w").write(re.sub(r"\.version \d+\.\d+", ".version 8.7", ptx))
-        out = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f"{t}/k.ptx", "-o", f"{t}/k.cubin"], capture_output=True, text=True).stderr
-    r, sp = re.search(r"Used (\d+) registers", out), re.search(r"(\d+) bytes spill stores", out)
-    return f"{r.group(1) if r else out[-300:]} registers, spills {sp.group(1) if sp else '?'} bytes", c.metadata.shared, ptx
+    registers, spilled = ptxas_usage(ptx)
+    return f"{registers} registers, spills {spilled} bytes", c.metadata.shared, ptx
 
 def _waits(ptx):
     return re.findall(r"wgmma.wait_group.sync.aligned (\d+)", ptx)

@@ -368,31 +368,21 @@ def cpu_check():
 
 def compile_check():
     "Compile every variant for sm_90 (no GPU needed); print shared memory and ptxas's registers. Run it under the GPU's Triton."
-    import re, subprocess, tempfile
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    from sm90_compile import compile_sm90, ptxas_usage
     def compile_one(kernel, consts, warps, stages, descs=None):
-        params = list(inspect.signature(kernel.fn).parameters)
         sig, hints = {}, []
-        for p in params:
-            if p in consts: sig[p] = "constexpr"
+        for p in inspect.signature(kernel.fn).parameters:
+            if p in consts: continue
             elif descs and p in descs: sig[p] = descs[p]
             elif p in ("Q", "K", "V", "O", "LSE"): sig[p], hints = ("*fp32" if p == "LSE" else "*bf16"), hints + [p]
             elif p == "scale_log2": sig[p] = "fp32"
             else:                                       # what the launcher sees at the timing shapes: strides and T
                 sig[p] = "i32"                          # multiples of 16 (the TMA kernel does not specialize T)
                 if p.startswith("stride") or (p == "T" and "T" not in kernel.do_not_specialize): hints.append(p)
-        attrs = {(params.index(p),): [["tt.divisibility", 16]] for p in hints}
-        src = ASTSource(fn=kernel, signature=sig, constexprs={(params.index(n),): c for n, c in consts.items()}, attrs=attrs)
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+        return compile_sm90(kernel, sig, consts, hints, warps=warps, stages=stages)
     def registers(compiled):
-        with tempfile.TemporaryDirectory() as tmp:
-            with open(os.path.join(tmp, "k.ptx"), "w") as f: f.write(compiled.asm["ptx"])
-            out = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", os.path.join(tmp, "k.ptx"), "-o", os.path.join(tmp, "k.cubin")],
-                                 capture_output=True, text=True).stderr
-        regs, spill = re.search(r"Used (\d+) registers", out), re.search(r"(\d+) bytes spill stores", out)
-        return f"{regs.group(1) if regs else '?'} registers, {spill.group(1) if spill else '?'} B spilled"
+        regs, spilled = ptxas_usage(compiled.asm["ptx"])
+        return f"{regs if regs is not None else '?'} registers, {spilled if spilled is not None else '?'} B spilled"
     cases = [("baseline", 64, (128, 64, 8, 3)), ("baseline", 128, (128, 64, 8, 3)),
              ("tma", 64, (128, 64, 8, 3)), ("tma", 64, (128, 128, 8, 3)), ("tma", 128, (128, 64, 8, 3)),
              ("tma", 128, (128, 64, 8, 2)), ("tma_host", 64, (128, 64, 8, 3)), ("tma_host", 128, (128, 64, 8, 3)),

@@ -23,7 +23,7 @@ over ROUNDS rounds; ratios to cuBLAS carry a 95% interval. A variant that does n
 `python tests/moe_gemm_variants.py` on a GPU (writes $OUT/moe_gemm_variants.json when OUT is set);
 `python tests/moe_gemm_variants.py --compile` compiles the TMA variants for sm_90 without a GPU (run it under the
 GPU's Triton) and prints shared memory and registers."""
-import json, os, re, subprocess, sys, tempfile, time, inspect
+import json, os, sys, time, inspect
 import torch
 import triton
 import triton.language as tl
@@ -249,31 +249,19 @@ def main():
 
 def compile_check():
     "Compile the TMA variants for sm_90 (no GPU): shared memory, registers, spills, and whether they were warp-specialized."
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    from sm90_compile import compile_sm90, ptxas_usage
     def compile_one(kernel, cfg, transposed=False):
         m, n, k, s, w, sched = cfg
-        consts = dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, FLATTEN="flat" in sched)
         params = list(inspect.signature(kernel.fn).parameters)
+        consts = dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, FLATTEN="flat" in sched)
         if "WARP_SPEC" in params: consts["WARP_SPEC"] = False
         if "B_TRANSPOSED" in params: consts["B_TRANSPOSED"] = transposed
         descs = {"a_desc": f"tensordesc<bf16[{m},{k}]>", "b_desc": f"tensordesc<bf16[{n},{k}]>" if transposed else f"tensordesc<bf16[{k},{n}]>",
                  "c_desc": f"tensordesc<bf16[{m},{n}]>", "h_desc": f"tensordesc<bf16[{m},{n}]>"}
         if kernel is tma_weight_grad_kernel:
             descs = {"a_desc": f"tensordesc<bf16[{k},{m}]>", "dc_desc": f"tensordesc<bf16[{k},{n}]>", "dw_ptr": "*fp32"}
-        sig = {p: "constexpr" if p in consts else descs.get(p, "i32") for p in params}
-        attrs = {(params.index(p),): [["tt.divisibility", 16]] for p in params
-                 if p in ("M", "N", "FF", "K", "KD", "ROWS_PER_GROUP", "dw_ptr")}
-        src = ASTSource(fn=kernel, signature=sig, constexprs={(params.index(c),): v for c, v in consts.items()}, attrs=attrs)
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=w, num_stages=s))
-    def registers(compiled):
-        with tempfile.TemporaryDirectory() as tmp:
-            with open(os.path.join(tmp, "k.ptx"), "w") as f: f.write(compiled.asm["ptx"])
-            out = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", os.path.join(tmp, "k.ptx"), "-o", os.path.join(tmp, "k.cubin")],
-                                 capture_output=True, text=True).stderr
-        regs, spill = re.search(r"Used (\d+) registers", out), re.search(r"(\d+) bytes spill stores", out)
-        return f"{regs.group(1) if regs else '?'} registers, {spill.group(1) if spill else '?'} B spilled"
+        hints = [p for p in params if p in ("M", "N", "FF", "K", "KD", "ROWS_PER_GROUP", "dw_ptr")]
+        return compile_sm90(kernel, {p: descs.get(p, "i32") for p in params}, consts, hints, warps=w, stages=s)
     print(f"triton {triton.__version__}")
     for kernel, cfgs, transposed in ((tma_gemm_kernel, PLAIN, False), (tma_gemm_swiglu_kernel, SWIGLU, False),
                                      (tma_gemm_kernel, DGRAD, True), (tma_weight_grad_kernel, WGRAD, False)):
@@ -282,8 +270,10 @@ def compile_check():
             try:
                 c = compile_one(kernel, cfg, transposed)
                 ws = "ttg.warp_specialize" in c.asm["ttgir"]
-                print(f"{kernel.fn.__name__ + (' (B^T)' if transposed else ''):24s} {cfg_name(cfg):28s} shared {c.metadata.shared} B, {registers(c)}, "
-                      f"{'warp-specialized' if ws else 'not warp-specialized'} ({time.time() - t0:.1f} s)", flush=True)
+                registers, spilled = ptxas_usage(c.asm["ptx"])
+                print(f"{kernel.fn.__name__ + (' (B^T)' if transposed else ''):24s} {cfg_name(cfg):28s} shared {c.metadata.shared} B, "
+                      f"{registers} registers, {spilled} B spilled, {'warp-specialized' if ws else 'not warp-specialized'} "
+                      f"({time.time() - t0:.1f} s)", flush=True)
             except Exception as e:
                 print(f"{kernel.fn.__name__:24s} {cfg_name(cfg):28s} FAILED {one_line(e)}", flush=True)
 

@@ -1,0 +1,27 @@
+"""Compiling kernels for sm_90 on a machine without a GPU, for the experiment scripts' compile checks
+(`attention_variants.py --compile-check`, `attention_ahead.py --inspect`, `attention_gluon.py --compile`,
+`moe_gemm_variants.py --compile`): Triton's compiler for one kernel at one config, and what ptxas says of the PTX.
+Run them under the Triton of the GPU machine (3.6) for numbers that match it."""
+import inspect, os, re, subprocess, tempfile
+import triton
+
+def compile_sm90(kernel, signature, constexprs, hints=(), warps=4, stages=3):
+    """`kernel` (triton.jit) compiled for sm_90: `signature` gives the type of each parameter that is not in
+    `constexprs` ({name: value}); `hints` are the parameters the launcher would see divisible by 16."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    params = list(inspect.signature(kernel.fn).parameters)
+    sig = {p: "constexpr" if p in constexprs else signature[p] for p in params}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(params.index(n),): v for n, v in constexprs.items()},
+                    attrs={(params.index(p),): [["tt.divisibility", 16]] for p in hints})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+
+def ptxas_usage(ptx):
+    "(registers per thread, spilled bytes) that ptxas reports for `ptx` on sm_90a; None for what it did not print."
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "k.ptx"), "w") as f: f.write(re.sub(r"\.version \d+\.\d+", ".version 8.7", ptx))
+        out = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", os.path.join(tmp, "k.ptx"), "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True).stderr
+    registers, spilled = re.search(r"Used (\d+) registers", out), re.search(r"(\d+) bytes spill stores", out)
+    return (int(registers.group(1)) if registers else None), (int(spilled.group(1)) if spilled else None)
