@@ -216,6 +216,31 @@ def test_triton_layer_matches_float64_reference(dispatch, capacity_factor, share
     assert errors.pop("router") < router_tolerance, errors
     assert max(errors.values()) < 1e-4, errors
 
+@needs_kernels
+@pytest.mark.parametrize("G,steps,K,N", [(3, 2, 24, 40), (1, 1, 8, 136), (5, 3, 264, 72)])
+def test_capacity_weight_grad_tma_matches_float64(G, steps, K, N):
+    "The TMA weight gradient of capacity groups: written over NaN, then accumulated; K and N off the tile (8 | K, N: aligned rows)."
+    C = steps * moe._capacity_wgrad_config(torch.bfloat16)["BLOCK_R"]
+    torch.manual_seed(G * 100 + C)
+    dt = torch.float32 if moe.INTERPRETING else torch.bfloat16
+    a, dc = torch.randn(G * C, K, device=DEVICE).to(dt), torch.randn(G * C, N, device=DEVICE).to(dt)
+    assert moe.capacity_weight_grad_applies(a, dc, C)
+    dw = moe.capacity_weight_grad_triton(a, dc, C, out=torch.full((G, K, N), float("nan"), device=DEVICE))
+    want = torch.stack([a[g * C:(g + 1) * C].double().cpu().T @ dc[g * C:(g + 1) * C].double().cpu() for g in range(G)])
+    assert not dw.isnan().any() and rel(dw.cpu(), want) < 1e-5
+    moe.capacity_weight_grad_triton(a, dc, C, out=dw, accumulate=True)
+    assert rel(dw.cpu(), 2 * want) < 1e-5
+    with pytest.raises(ValueError, match="multiple of"): moe.capacity_weight_grad_triton(a, dc, C + 1, out=dw)
+
+@needs_kernels
+def test_capacity_layer_runs_the_tma_weight_gradient(monkeypatch):
+    "40 tokens, top-2 of 5 experts at capacity factor 1: C = 16, a multiple of the row step, so both expert weight gradients take TMA."
+    calls, real = [], moe.capacity_weight_grad_triton
+    monkeypatch.setattr(moe, "capacity_weight_grad_triton", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    errors = compare_triton_to_torch(20, 24, 5, 2, 40, "capacity", 1.0, device=DEVICE, block_m=16)
+    assert len(calls) == (2 if moe.INTERPRETING else 0), calls        # fp32 on a GPU keeps the pointer kernel
+    assert errors.pop("router") < 1e-4 and max(errors.values()) < 1e-4, errors
+
 # ---- the library GEMM backend (bmm / _grouped_mm on the CPU, fp32), memory, the router's low-memory product ----
 
 GROUPED_MM_ON_CPU = library_support("cpu")["grouped_mm"][0]
