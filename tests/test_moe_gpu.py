@@ -88,8 +88,31 @@ def test_library_grouped_gemm_bf16(sizes, capacity):
 @pytest.mark.parametrize("backend", ["triton", "library", "per_expert", "auto"])
 @pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
 def test_bf16_layer_close_to_float64(dispatch, backend):
+    check_bf16_layer(dispatch, backend, N=4000)          # capacity 1000: the Triton weight gradient's pointer kernel
+
+def test_bf16_capacity_layer_with_the_tma_weight_gradient(monkeypatch):
+    "4,096 tokens, top-2 of 8 experts: capacity 1,024, a multiple of the TMA kernel's 64-row step, so both weight gradients take it."
+    calls, real = [], moe.capacity_weight_grad_triton
+    monkeypatch.setattr(moe, "capacity_weight_grad_triton", lambda *a, **k: calls.append(tuple(a[0].shape)) or real(*a, **k))
+    check_bf16_layer("capacity", "triton", N=4096)
+    assert len(calls) == 2, calls
+
+@pytest.mark.parametrize("G,steps,K,N", [(8, 2, 3072, 8192), (3, 3, 264, 520), (1, 1, 8, 136)])
+def test_capacity_weight_grad_tma_bf16(G, steps, K, N):
+    "The TMA weight gradient in bf16 on the GPU: moe4b's gate_up width, and K, N off the 128 x 256 tile; written, then accumulated."
+    torch.manual_seed(K)
+    C = steps * moe.CAPACITY_WGRAD_CONFIG["BLOCK_R"]
+    a, dc = (torch.randn(G * C, n, device="cuda", dtype=torch.bfloat16) for n in (K, N))
+    dw = moe.capacity_weight_grad_triton(a, dc, C, out=torch.full((G, K, N), float("nan"), device="cuda"))
+    want = torch.stack([a[g * C:(g + 1) * C].double().T @ dc[g * C:(g + 1) * C].double() for g in range(G)])
+    assert not dw.isnan().any() and rel(dw, want) < 1e-5, rel(dw, want)
+    moe.capacity_weight_grad_triton(a, dc, C, out=dw, accumulate=True)
+    assert rel(dw, 2 * want) < 1e-5, rel(dw, 2 * want)
+
+def check_bf16_layer(dispatch, backend, N):
+    "The bf16 kernel layer under `backend` against the float64 reference layer, same weights and routing."
     torch.manual_seed(1)
-    D, FF, E, k, N = 512, 384, 8, 2, 4000
+    D, FF, E, k = 512, 384, 8, 2
     fast = MoeFeedForward(D, FF, E, k, dispatch=dispatch, shared_expert_d_ff=256, impl="triton", dtype=torch.bfloat16, device="cuda")
     oracle = MoeFeedForward(D, FF, E, k, dispatch=dispatch, shared_expert_d_ff=256, impl="torch", dtype=torch.float64, device="cuda")
     with torch.no_grad():
