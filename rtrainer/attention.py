@@ -274,15 +274,15 @@ FP32_CONFIGS = {"forward": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=
                 "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
                 "dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2)}
 
-_PLAIN = dict(forward=flash_forward_kernel, dq=flash_backward_dq_kernel, dkdv=flash_backward_dkdv_kernel)
+_KERNELS = dict(forward=flash_forward_kernel, dq=flash_backward_dq_kernel, dkdv=flash_backward_dkdv_kernel)
 _INTERPRET_CONFIG = dict(BLOCK_M=INTERPRET_BLOCK_M, BLOCK_N=INTERPRET_BLOCK_N)
 
 def _launcher(kernel, dtype, head_dim, T, config=None):
     "(kernel, launch keywords) for 'forward' | 'dq' | 'dkdv': the caller's `config` if given, else the tuned or fixed one."
-    if config is not None: return _PLAIN[kernel], config
-    if INTERPRETING: return _PLAIN[kernel], _INTERPRET_CONFIG
-    if dtype == torch.float32: return _PLAIN[kernel], FP32_CONFIGS[kernel]
-    return _PLAIN[kernel], tuned_config(kernel, head_dim, T)
+    if config is not None: return _KERNELS[kernel], config
+    if INTERPRETING: return _KERNELS[kernel], _INTERPRET_CONFIG
+    if dtype == torch.float32: return _KERNELS[kernel], FP32_CONFIGS[kernel]
+    return _KERNELS[kernel], tuned_config(kernel, head_dim, T)
 
 def _unit_stride(t):
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -456,7 +456,7 @@ def _bench_shape(label, B, H, KV, T, hd, rounds, rep_ms, device="cuda"):
     best = min(speeds, key=speeds.get)
     fn_best, k_best, v_best = candidates[best]
     times = {"flash": [], best: []}
-    _time_arm(flash_attention, q, k, v, do, rep_ms)      # warm up: compile and autotune
+    _time_arm(flash_attention, q, k, v, do, rep_ms)      # warm up: compile
     for _ in range(rounds):                              # alternate A B A B in one process
         times["flash"].append(_time_arm(flash_attention, q, k, v, do, rep_ms))
         times[best].append(_time_arm(fn_best, q, k_best, v_best, do, rep_ms))

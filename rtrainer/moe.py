@@ -6,20 +6,21 @@ Docs: https://example.invalid/rtrainer/rtrainer/moe.html.md"""
 
 # %% auto #0
 __all__ = ['GROUPED_GEMM_BLOCK_M', 'ROW_BLOCK', 'CAPACITY_WGRAD_CONFIG', 'INTERPRET_CAPACITY_WGRAD_CONFIG', 'TMA_ALIGNMENT',
-           'ROUTER_BLOCK_ROWS', 'ROUTER_BLOCK_COLS', 'ROUTER_CHUNK_ROWS', 'EXPERT_GEMM', 'EXPERT_WEIGHT_GRAD',
-           'EXPERT_BACKENDS', 'MOE_KNOBS', 'RECOMPUTE_IN_BACKWARD', 'BENCHMARK_ARMS', 'COMPILE_MODES', 'RouterLogits',
-           'route_tokens', 'load_balance_loss', 'load_balance_weight', 'expert_capacity', 'capacity_slots',
-           'expert_swiglu_reference', 'capacity_moe_reference', 'dropless_moe_reference', 'grouped_gemm_kernel',
-           'grouped_gemm_weight_grad_kernel', 'grouped_gemm_triton', 'grouped_gemm_weight_grad_triton',
-           'grouped_gemm_reference', 'capacity_weight_grad_kernel', 'capacity_weight_grad_applies',
-           'capacity_weight_grad_triton', 'gather_rows_kernel', 'combine_rows_kernel', 'gather_rows_triton',
-           'combine_rows_triton', 'router_logits_kernel', 'router_grad_x_kernel', 'router_grad_w_kernel',
-           'RouterLogitsTriton', 'router_logits_triton', 'router_parity_errors', 'library_support', 'ExpertBackends',
-           'expert_backends', 'grouped_gemm_library', 'grouped_gemm_weight_grad_library', 'grouped_gemm_per_expert',
-           'grouped_gemm_weight_grad_per_expert', 'RoutingPlan', 'capacity_plan', 'dropless_plan', 'host_group_bounds',
-           'MoeExperts', 'moe_experts_triton', 'MoeFeedForward', 'moe_parameter_count', 'naive_moe_loop',
-           'check_moe_against_loop', 'compare_triton_to_torch', 'check_empty_expert', 'saved_tensor_bytes',
-           'expert_saved_bytes', 'accumulation_gradients', 'benchmark_arms', 'benchmark_suite']
+           'CAPACITY_WGRAD_LAUNCH', 'ROUTER_BLOCK_ROWS', 'ROUTER_BLOCK_COLS', 'ROUTER_CHUNK_ROWS', 'EXPERT_GEMM',
+           'EXPERT_WEIGHT_GRAD', 'EXPERT_BACKENDS', 'MOE_KNOBS', 'RECOMPUTE_IN_BACKWARD', 'BENCHMARK_ARMS',
+           'COMPILE_MODES', 'RouterLogits', 'route_tokens', 'load_balance_loss', 'load_balance_weight',
+           'expert_capacity', 'capacity_slots', 'expert_swiglu_reference', 'capacity_moe_reference',
+           'dropless_moe_reference', 'grouped_gemm_kernel', 'grouped_gemm_weight_grad_kernel', 'grouped_gemm_triton',
+           'grouped_gemm_weight_grad_triton', 'grouped_gemm_reference', 'capacity_weight_grad_kernel',
+           'capacity_weight_grad_applies', 'capacity_weight_grad_triton', 'gather_rows_kernel', 'combine_rows_kernel',
+           'gather_rows_triton', 'combine_rows_triton', 'router_logits_kernel', 'router_grad_x_kernel',
+           'router_grad_w_kernel', 'RouterLogitsTriton', 'router_logits_triton', 'router_parity_errors',
+           'library_support', 'ExpertBackends', 'expert_backends', 'grouped_gemm_library',
+           'grouped_gemm_weight_grad_library', 'grouped_gemm_per_expert', 'grouped_gemm_weight_grad_per_expert',
+           'RoutingPlan', 'capacity_plan', 'dropless_plan', 'host_group_bounds', 'MoeExperts', 'moe_experts_triton',
+           'MoeFeedForward', 'moe_parameter_count', 'naive_moe_loop', 'check_moe_against_loop',
+           'compare_triton_to_torch', 'check_empty_expert', 'saved_tensor_bytes', 'expert_saved_bytes',
+           'accumulation_gradients', 'benchmark_arms', 'benchmark_suite']
 
 # %% ../nbs/03_moe.ipynb #d120d79d
 import math, os, sys, time
@@ -31,7 +32,8 @@ import triton
 import triton.language as tl
 from .kernels import (INTERPRETING, KERNELS_CAN_RUN, register_op, get_op, resolve_impl, at_least_fp32, swiglu_reference,
                               swiglu_forward, swiglu_backward, main_grad_for_write, mark_main_grad_written, start_gradient_step,
-                              gradient_fp32, median_ms, peak_bytes, alternation, ratio_interval, save_results, show_results, knob_values)
+                              gradient_fp32, median_ms, peak_bytes, alternation, ratio_interval, save_results, show_results, knob_values,
+                              _program_count)
 from .matmul import linear_reference    # also registers the "linear" op used by the shared expert
 
 # %% ../nbs/03_moe.ipynb #4f695818
@@ -242,9 +244,12 @@ def grouped_gemm_triton(rows, weight, group_starts, group_ends, block_m=None, ou
                               N_GROUPS=G, BLOCK_M=block_m, INPUT_PRECISION=_dot_precision(rows.dtype))
     return out
 
-def grouped_gemm_weight_grad_triton(rows, grad_out, group_starts, group_ends, out, accumulate=False):
-    "out[g] (fp32, (G, K, N)) = (or +=) rows[group g]^T @ grad_out[group g]; an empty group gives zero."
+def grouped_gemm_weight_grad_triton(rows, grad_out, group_starts, group_ends, out, accumulate=False, capacity=0):
+    """out[g] (fp32, (G, K, N)) = (or +=) rows[group g]^T @ grad_out[group g]; an empty group gives zero. With `capacity`
+    (every group is that many rows from g * capacity) the TMA kernel of the next section takes it where it applies."""
     if not KERNELS_CAN_RUN: raise RuntimeError("grouped_gemm_weight_grad_triton: needs a CUDA GPU or TRITON_INTERPRET=1")
+    if capacity and out.is_contiguous() and capacity_weight_grad_applies(rows, grad_out, capacity):
+        return capacity_weight_grad_triton(rows, grad_out, capacity, out, accumulate)
     G, K, N = out.shape
     starts, ends = group_starts.to(torch.int32), group_ends.to(torch.int32)
     grid = lambda meta: (triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"]), G)
@@ -301,14 +306,13 @@ def capacity_weight_grad_kernel(
         else:
             tl.store(ptrs, acc, mask=mask)
 
-def _capacity_wgrad_config(dtype):
-    return INTERPRET_CAPACITY_WGRAD_CONFIG if INTERPRETING else CAPACITY_WGRAD_CONFIG
+CAPACITY_WGRAD_LAUNCH = INTERPRET_CAPACITY_WGRAD_CONFIG if INTERPRETING else CAPACITY_WGRAD_CONFIG   # what this process launches
 
 def capacity_weight_grad_applies(rows, grad_out, capacity):
     "Whether `capacity_weight_grad_triton` takes these operands (16-bit on a GPU, TMA-aligned, C a multiple of its row step)."
     if capacity <= 0 or rows.dtype != grad_out.dtype or (rows.dtype not in (torch.bfloat16, torch.float16) and not INTERPRETING):
         return False
-    if capacity % _capacity_wgrad_config(rows.dtype)["BLOCK_R"]: return False
+    if capacity % CAPACITY_WGRAD_LAUNCH["BLOCK_R"]: return False
     return all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % TMA_ALIGNMENT == 0 and t.data_ptr() % TMA_ALIGNMENT == 0
                for t in (rows, grad_out))
 
@@ -317,17 +321,16 @@ def capacity_weight_grad_triton(rows, grad_out, capacity, out, accumulate=False)
     from triton.tools.tensor_descriptor import TensorDescriptor
     if not capacity_weight_grad_applies(rows, grad_out, capacity):
         raise ValueError(f"capacity_weight_grad_triton: needs 16-bit rows with 16-byte-aligned rows and a capacity that is a multiple of "
-                         f"{_capacity_wgrad_config(rows.dtype)['BLOCK_R']}; got {rows.dtype}, strides {rows.stride()} / {grad_out.stride()}, C {capacity}")
+                         f"{CAPACITY_WGRAD_LAUNCH['BLOCK_R']}; got {rows.dtype}, strides {rows.stride()} / {grad_out.stride()}, C {capacity}")
     G, K, N = out.shape
     if not out.is_contiguous() or out.dtype != torch.float32:
         raise ValueError(f"capacity_weight_grad_triton: out must be contiguous fp32, got {out.dtype} with strides {out.stride()}")
     if rows.shape[0] != G * capacity or grad_out.shape[0] != G * capacity:
         raise ValueError(f"capacity_weight_grad_triton: {G} groups of {capacity} rows need {G * capacity} rows, got {rows.shape[0]} and {grad_out.shape[0]}")
-    cfg = dict(_capacity_wgrad_config(rows.dtype))
+    cfg = dict(CAPACITY_WGRAD_LAUNCH)
     bk, bn, br = cfg.pop("BLOCK_K"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_R")
     tiles = G * triton.cdiv(K, bk) * triton.cdiv(N, bn)
-    sms = 4 if INTERPRETING else torch.cuda.get_device_properties(rows.device).multi_processor_count   # 4: the loop runs in CI
-    programs = min(tiles, sms)
+    programs = _program_count(tiles, 1, rows.device)      # one per SM (4 on a CPU, so the loop runs in CI)
     capacity_weight_grad_kernel[(programs,)](
         TensorDescriptor.from_tensor(rows, [br, bk]), TensorDescriptor.from_tensor(grad_out, [br, bn]), out,
         K, N, capacity, G, programs, ACCUMULATE=accumulate, BLOCK_K=bk, BLOCK_N=bn, BLOCK_R=br, GROUP_K=8,
@@ -675,10 +678,9 @@ def _expert_weight_grad(rows, grad_out, weight, plan, backends, write_main_grad,
         grouped_gemm_weight_grad_library(rows, grad_out, plan.group_starts, plan.group_ends, buf, not overwrite, plan.capacity)
     elif backends.weight_grad == "per_expert":
         grouped_gemm_weight_grad_per_expert(rows, grad_out, group_bounds, buf, accumulate=not overwrite)
-    elif plan.capacity and capacity_weight_grad_applies(rows, grad_out, plan.capacity) and buf.is_contiguous():
-        capacity_weight_grad_triton(rows, grad_out, plan.capacity, out=buf, accumulate=not overwrite)
     else:
-        grouped_gemm_weight_grad_triton(rows, grad_out, plan.group_starts, plan.group_ends, out=buf, accumulate=not overwrite)
+        grouped_gemm_weight_grad_triton(rows, grad_out, plan.group_starts, plan.group_ends, out=buf, accumulate=not overwrite,
+                                        capacity=plan.capacity)
     if write_main_grad:
         mark_main_grad_written(weight)
         return None

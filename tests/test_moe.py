@@ -220,7 +220,7 @@ def test_triton_layer_matches_float64_reference(dispatch, capacity_factor, share
 @pytest.mark.parametrize("G,steps,K,N", [(3, 2, 24, 40), (1, 1, 8, 136), (5, 3, 264, 72)])
 def test_capacity_weight_grad_tma_matches_float64(G, steps, K, N):
     "The TMA weight gradient of capacity groups: written over NaN, then accumulated; K and N off the tile (8 | K, N: aligned rows)."
-    C = steps * moe._capacity_wgrad_config(torch.bfloat16)["BLOCK_R"]
+    C = steps * moe.CAPACITY_WGRAD_LAUNCH["BLOCK_R"]
     torch.manual_seed(G * 100 + C)
     dt = torch.float32 if moe.INTERPRETING else torch.bfloat16
     a, dc = torch.randn(G * C, K, device=DEVICE).to(dt), torch.randn(G * C, N, device=DEVICE).to(dt)
