@@ -8,10 +8,11 @@ Docs: https://example.invalid/rtrainer/rtrainer/optimizer.html.md"""
 __all__ = ['PRECISIONS', 'CLIP_EPS', 'ADAMW_BLOCK_SIZE', 'ADAMW_CHUNK_SIZE', 'ADAMW_NUM_WARPS', 'ALIGNMENT_BYTES', 'TABLE_BUILDS',
            'BENCHMARK_MATRICES', 'BENCHMARK_MATRIX', 'BENCHMARK_QUICK_MATRIX', 'ADAMW_VARIANTS', 'parameter_kind',
            'policy_dtype', 'apply_precision_policy', 'fp32_scalar', 'adamw_scalars', 'adamw_update_reference',
-           'adamw_update_all_reference', 'grad_norm_reference', 'AdamW', 'clip_coefficient', 'clip_grad_norm',
-           'warmup_cosine', 'constant', 'fp32_to_bf16_nearest_even', 'adamw_block', 'adamw_multi_tensor_kernel',
-           'sum_of_squares_multi_tensor_kernel', 'kernels_can_run', 'chunk_plan', 'fused_adamw_update',
-           'fused_grad_norm', 'random_adamw_work', 'clone_work', 'compare_work', 'benchmark_suite']
+           'skipped', 'adamw_update_all_reference', 'grad_norm_reference', 'AdamW', 'clip_coefficient',
+           'clip_grad_norm', 'clip_scale', 'warmup_cosine', 'constant', 'fp32_to_bf16_nearest_even', 'adamw_block',
+           'adamw_multi_tensor_kernel', 'adamw_chunk', 'sum_of_squares_multi_tensor_kernel', 'kernels_can_run',
+           'chunk_plan', 'fused_adamw_update', 'fused_grad_norm', 'random_adamw_work', 'clone_work', 'compare_work',
+           'benchmark_suite']
 
 # %% ../nbs/04_optimizer.ipynb #21e65ee1
 import math, statistics, struct, sys
@@ -49,18 +50,23 @@ def fp32_scalar(x):
     return struct.unpack("f", struct.pack("f", float(x)))[0]
 
 def adamw_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale=1.0):
-    "The fp32 scalars of one AdamW step at `step` (counted from 1), shared by the reference and the kernel."
+    """The fp32 scalars of one AdamW step at `step` (counted from 1), shared by the reference and the kernel.
+    `grad_scale` may also be a one-element fp32 tensor, computed on the device (`clip_scale`); it is kept as is."""
     if step < 1: raise ValueError(f"adamw_scalars: step counts from 1, got {step}")
+    if torch.is_tensor(grad_scale):
+        if grad_scale.numel() != 1 or grad_scale.dtype != torch.float32:
+            raise ValueError(f"adamw_scalars: a tensor grad_scale must be one fp32 element, got {grad_scale.dtype} {tuple(grad_scale.shape)}")
+    else: grad_scale = fp32_scalar(grad_scale)
     return dict(lr=fp32_scalar(lr), lr_weight_decay=fp32_scalar(lr * weight_decay),
                 beta1=fp32_scalar(beta1), one_minus_beta1=fp32_scalar(1 - beta1),
                 beta2=fp32_scalar(beta2), one_minus_beta2=fp32_scalar(1 - beta2),
                 inv_bias_correction1=fp32_scalar(1 / (1 - beta1 ** step)),
                 inv_bias_correction2=fp32_scalar(1 / (1 - beta2 ** step)),
-                eps=fp32_scalar(eps), grad_scale=fp32_scalar(grad_scale))
+                eps=fp32_scalar(eps), grad_scale=grad_scale)
 
 def adamw_update_reference(param, grad, exp_avg, exp_avg_sq, decay, s):
     "One AdamW step on one tensor in place: fp32 math on the widened master, rounded back to param's dtype. `s` from `adamw_scalars`."
-    g = grad.float() * s["grad_scale"]
+    g = grad.float() * s["grad_scale"].reshape(()) if torch.is_tensor(s["grad_scale"]) else grad.float() * s["grad_scale"]
     exp_avg.copy_(exp_avg * s["beta1"] + g * s["one_minus_beta1"])
     exp_avg_sq.copy_(exp_avg_sq * s["beta2"] + (g * g) * s["one_minus_beta2"])
     m_hat = exp_avg * s["inv_bias_correction1"]
@@ -72,8 +78,13 @@ def adamw_update_reference(param, grad, exp_avg, exp_avg_sq, decay, s):
 
 register_op("adamw_update", "torch", adamw_update_reference)
 
+def skipped(s):
+    "True when the step's `grad_scale` is NaN, the device's verdict (`clip_scale`) that the step must not update anything."
+    return bool(torch.isnan(torch.as_tensor(s["grad_scale"])))   # a host read: the reference pays it, the kernel does not
+
 def adamw_update_all_reference(work, s):
-    "The reference update on every (param, grad, exp_avg, exp_avg_sq, decay) of `work`, one tensor at a time."
+    "The reference update on every (param, grad, exp_avg, exp_avg_sq, decay) of `work`, one tensor at a time; none if `skipped(s)`."
+    if skipped(s): return
     for param, grad, exp_avg, exp_avg_sq, decay in work:
         adamw_update_reference(param, grad, exp_avg, exp_avg_sq, decay, s)
 
@@ -191,6 +202,15 @@ def clip_grad_norm(optimizer, max_norm):
     norm = float(optimizer.grad_norm())
     return norm, clip_coefficient(norm, max_norm)
 
+def clip_scale(norm, max_norm, divisor=1.0, also_finite=()):
+    """`clip_coefficient(norm, max_norm) / divisor` computed on the device from the 0-d tensor `norm`: a one-element fp32
+    tensor for `AdamW.step`'s grad_scale, NaN (skip the update) where `norm` or a tensor of `also_finite` is not finite."""
+    norm = norm.detach().float().reshape(1)
+    coef = (max_norm / (norm + CLIP_EPS)).clamp(max=1.0) if max_norm is not None and max_norm > 0 else torch.ones_like(norm)
+    finite = torch.isfinite(norm)
+    for t in also_finite: finite = finite & torch.isfinite(t.detach().float().reshape(1))
+    return torch.where(finite, coef / divisor, torch.full_like(norm, float("nan")))
+
 # %% ../nbs/04_optimizer.ipynb #72d52c90
 def warmup_cosine(step, peak_lr, warmup_steps, total_steps, floor=0.1):
     "Linear warmup to `peak_lr` over `warmup_steps`, cosine decay to `floor * peak_lr` at `total_steps`, held after."
@@ -255,8 +275,21 @@ def adamw_multi_tensor_kernel(
         chunk_tensors,          # int64 [n_chunks]: which tensor program i works on
         chunk_indices,          # int64 [n_chunks]: which chunk of that tensor (start = index * CHUNK_SIZE)
         lr, lr_weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2,   # fp32 scalars (adamw_scalars)
-        inv_bias_correction1, inv_bias_correction2, eps, grad_scale,
+        inv_bias_correction1, inv_bias_correction2, eps,
+        grad_scale_ptr,         # fp32 [1]: the gradient scale, read on the device; NaN skips the update
         PARAM_IS_BF16: tl.constexpr, ALIGNED: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    grad_scale = tl.load(grad_scale_ptr)
+    if grad_scale == grad_scale:                                      # not NaN: take the step
+        adamw_chunk(param_addresses, grad_addresses, exp_avg_addresses, exp_avg_sq_addresses, numels, decays,
+                    chunk_tensors, chunk_indices, lr, lr_weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2,
+                    inv_bias_correction1, inv_bias_correction2, eps, grad_scale, PARAM_IS_BF16, ALIGNED, CHUNK_SIZE, BLOCK_SIZE)
+
+@triton.jit
+def adamw_chunk(param_addresses, grad_addresses, exp_avg_addresses, exp_avg_sq_addresses, numels, decays,
+                chunk_tensors, chunk_indices, lr, lr_weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2,
+                inv_bias_correction1, inv_bias_correction2, eps, grad_scale,
+                PARAM_IS_BF16: tl.constexpr, ALIGNED: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    "The program's chunk of the plan: which tensor, which elements, then AdamW on them block by block."
     chunk = tl.program_id(0)
     tensor = tl.load(chunk_tensors + chunk)
     start = tl.load(chunk_indices + chunk) * CHUNK_SIZE
@@ -375,7 +408,9 @@ def _check_adamw_group(group, dtype):
             raise ValueError(f"fused_adamw_update: shapes differ: param {tuple(param.shape)}, grad {tuple(grad.shape)}, moments {tuple(exp_avg.shape)}")
 
 def fused_adamw_update(work, s):
-    "AdamW step on every (param, fp32 grad, exp_avg, exp_avg_sq, decay) of `work` with the Triton kernel: one launch per master dtype."
+    """AdamW step on every (param, fp32 grad, exp_avg, exp_avg_sq, decay) of `work` with the Triton kernel: one launch per
+    master dtype. The kernel reads `grad_scale` from device memory, so a scale computed on the device costs no host read."""
+    scale = s["grad_scale"]
     for dtype in (torch.bfloat16, torch.float32):
         group = [w for w in work if w[0].dtype == dtype]
         if not group: continue
@@ -387,9 +422,11 @@ def fused_adamw_update(work, s):
         tables = _tables(addresses + [numels, [int(w[4]) for w in group]], device,
                          validate=lambda: _check_adamw_group(group, dtype), signature=[w[k].dtype for w in group for k in range(4)])
         plan = _plan_tables(numels, ADAMW_CHUNK_SIZE, device)
+        scale = (scale.reshape(1).to(device) if torch.is_tensor(scale) else
+                 torch.full((1,), scale, dtype=torch.float32, device=device))
         adamw_multi_tensor_kernel[(len(plan[0]),)](                       # one program per chunk of the plan
             *tables, *plan, s["lr"], s["lr_weight_decay"], s["beta1"], s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"],
-            s["inv_bias_correction1"], s["inv_bias_correction2"], s["eps"], s["grad_scale"],
+            s["inv_bias_correction1"], s["inv_bias_correction2"], s["eps"], scale,
             PARAM_IS_BF16=dtype == torch.bfloat16, ALIGNED=all(a % ALIGNMENT_BYTES == 0 for column in addresses for a in column),
             CHUNK_SIZE=ADAMW_CHUNK_SIZE, BLOCK_SIZE=ADAMW_BLOCK_SIZE, num_warps=ADAMW_NUM_WARPS, enable_fp_fusion=False)
 

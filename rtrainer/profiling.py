@@ -27,7 +27,7 @@ from .kernels import (machine_metadata, save_results, show_results, load_results
                               ratio_interval, spread, alternation)   # the kernels chapter's paired statistics
 from .optimizer import policy_dtype, parameter_kind, TABLE_BUILDS
 from .model import ModelConfig, TransformerLm, model_config, PRESETS, REFERENCE_BATCH, parameter_counts, flops_per_token
-from .training import Trainer, TrainConfig, DATASHEET_PEAK_TFLOPS, device_peak_tflops, mfu, NonFiniteLoss
+from .training import Trainer, TrainConfig, DATASHEET_PEAK_TFLOPS, device_peak_tflops, mfu, NonFiniteLoss, resolved
 
 # %% ../nbs/07_profiling.ipynb #c00cc2d0
 def resolve_peak_tflops(peak_tflops=None, device=None, warn=print):
@@ -176,6 +176,7 @@ def profile_step(trainer, warmup=PROFILE_WARMUP_STEPS, gaps=8):
         idle_ms, gaps = None, []
         method = "wall-clock phase spans and top-level CPU operators (torch.profiler)"
     kernel_sum = sum(r["ms"] for r in rows)
+    row = resolved(row)
     if not math.isfinite(row["loss"]): raise NonFiniteLoss(f"profile: non-finite loss {row['loss']}")
     return dict(method=method, device=str(trainer.device), full_step_ms=full_ms, unprofiled_step_ms=unprofiled_ms,
                 phases_ms=phases, kernel_sum_ms=kernel_sum, unattributed_ms=full_ms - kernel_sum, loss=row["loss"], rows=rows,

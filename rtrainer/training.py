@@ -9,9 +9,9 @@ __all__ = ['BUNDLED_DATA', 'CHECKPOINT_FORMAT', 'SHAPE_FIELDS', 'DATASHEET_PEAK_
            'SHAPE_OVERRIDES', 'TrainConfig', 'read_manifest', 'TrainingData', 'atomic_save_safetensors',
            'save_checkpoint', 'resolve_checkpoint', 'read_checkpoint', 'check_same_shape', 'load_model_weights',
            'prune_checkpoints', 'device_peak_tflops', 'mfu', 'retain_freed_memory', 'held_out_loss', 'NonFiniteLoss',
-           'Trainer', 'load_model', 'add_train_arguments', 'train_config_from_args', 'model_config_from_args',
-           'ensure_bundled_data', 'run_train', 'add_eval_arguments', 'run_eval', 'add_generate_arguments',
-           'run_generate']
+           'resolved', 'Trainer', 'load_model', 'add_train_arguments', 'train_config_from_args',
+           'model_config_from_args', 'ensure_bundled_data', 'run_train', 'add_eval_arguments', 'run_eval',
+           'add_generate_arguments', 'run_generate']
 
 # %% ../nbs/06_training.ipynb #9db08b8c
 import argparse, ctypes, dataclasses, json, math, os, sys, time
@@ -27,7 +27,7 @@ from .tokenization import TokenFile, get_tokenizer, prepare_corpus, supervised_b
 from .kernels import git_commit
 from .matmul import IGNORE_INDEX
 from .moe import load_balance_weight
-from .optimizer import AdamW, clip_coefficient, warmup_cosine
+from .optimizer import AdamW, clip_scale, warmup_cosine
 from .model import ModelConfig, TransformerLm, model_config, flops_per_token, parameter_counts, generate
 
 # %% ../nbs/06_training.ipynb #5ff9d7f7
@@ -255,9 +255,15 @@ def held_out_loss(model, data, batch_size, seq_len, max_batches=0, rank=0, world
 class NonFiniteLoss(RuntimeError):
     "The loss or the gradient norm stopped being finite."
 
+def resolved(row):
+    "`row` with its device tensors read into Python numbers (lists for vectors): waits for the GPU to compute them."
+    return {k: v.tolist() if torch.is_tensor(v) else v for k, v in row.items()}
+
 class Trainer:
     "Runs one training job described by a TrainConfig and a ModelConfig."
     rank, world_size = 0, 1
+    unchecked = None      # (step, loss, norm) of the last step whose loss and norm the host has not read yet
+    last_loss = None      # the loss of the last step the host has read
 
     def __init__(self, config: TrainConfig, model_config: ModelConfig, log=print):
         self.cfg, self.log = config.validate(), log
@@ -328,7 +334,8 @@ class Trainer:
     def reduce_mean(self, t): return t  # the distributed trainer averages across ranks
 
     def train_step(self, step):
-        "One optimizer step; returns a dict of the step's measurements."
+        """One optimizer step, queued without waiting for the GPU; returns the step's measurements as device tensors
+        (`resolved` reads them). Reads the previous step's loss and norm once this step's backward is queued."""
         c, opt = self.cfg, self.optimizer
         lr, lbw = self.lr_at(step), load_balance_weight(step, c.load_balance_weight, c.load_balance_decay_steps)
         opt.zero_grad()
@@ -338,19 +345,27 @@ class Trainer:
             lm_total += lm.float(); lb_total += lb.float()
         norm = opt.grad_norm() / c.accumulation
         stats = self.reduce_mean(torch.stack([lm_total / c.accumulation, lb_total / c.accumulation]))
-        loss, norm_value = stats[0].item(), float(norm)
-        if not (math.isfinite(loss) and math.isfinite(norm_value)):
-            raise NonFiniteLoss(f"step {step + 1}: non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} "
-                                f"(loss {loss}, gradient norm {norm_value}); stopped before the optimizer step, last checkpoint untouched")
-        coef = clip_coefficient(norm_value, c.clip)
-        opt.step(lr, grad_scale=coef / c.accumulation)
-        row = dict(step=step + 1, lr=lr, loss=loss, grad_norm=norm_value)
+        self.check_step()                      # the previous step's verdict, read while the GPU works on this one
+        opt.step(lr, grad_scale=clip_scale(norm, c.clip, c.accumulation, also_finite=[stats[0]]))   # NaN: skipped
+        self.unchecked = (step, stats[0], norm)
+        row = dict(step=step + 1, lr=lr, loss=stats[0], grad_norm=norm)
         if self.model_config.n_experts:
-            row["load_balance_loss"] = stats[1].item()
+            row["load_balance_loss"] = stats[1]
             if self.model.moe_stats:
-                row["expert_load"] = torch.stack([s["expert_load"].float() for s in self.model.moe_stats]).mean(0).tolist()
-                row["dropped_fraction"] = float(torch.stack([torch.as_tensor(s["dropped_fraction"]).float() for s in self.model.moe_stats]).mean())
+                row["expert_load"] = torch.stack([s["expert_load"].float() for s in self.model.moe_stats]).mean(0)
+                row["dropped_fraction"] = torch.stack([s["dropped_fraction"].float() for s in self.model.moe_stats]).mean()
         return row
+
+    def check_step(self):
+        "Read the unchecked step's loss and gradient norm on the host (a wait); raise NonFiniteLoss if either is not finite."
+        if self.unchecked is None: return
+        (step, loss, norm), self.unchecked = self.unchecked, None
+        loss, norm = torch.stack([loss.float(), norm.float()]).tolist()
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            self.optimizer.step_count -= 1     # the device skipped that update
+            raise NonFiniteLoss(f"step {step + 1}: non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} "
+                                f"(loss {loss}, gradient norm {norm}); its update was skipped and the run stopped, last checkpoint untouched")
+        self.last_loss = loss
 
     def evaluate(self, max_batches=None):
         "Held-out loss and perplexity (forward only; no gradient is touched)."
@@ -368,6 +383,7 @@ class Trainer:
         return self.cfg.sample_prompt + tok.decode(ids)
 
     def save(self):
+        self.check_step()                      # never save after a step whose loss and norm are unread
         path = self.checkpoint_dir / f"step-{self.step:08d}.safetensors"
         save_checkpoint(path, self.model, self.optimizer, self.step, self.cfg)
         prune_checkpoints(self.checkpoint_dir, self.cfg.keep, protect=[self.cfg.init_from] if self.cfg.init_from else [])
@@ -402,30 +418,33 @@ class Trainer:
             self.log(f"{'step':>6} {'lr':>9} {'train':>8} {'held-out':>9}")
         bar = tqdm(total=c.steps, initial=self.step, disable=not (c.progress and self.is_main), dynamic_ncols=True, leave=False)
         if self.device.type == "cuda": torch.cuda.reset_peak_memory_stats(self.device)
-        window_start, window_tokens, last_train = time.perf_counter(), 0, None
+        window_start, window_tokens = time.perf_counter(), 0
         if c.eval_every and self.step == 0 and (ev := self.evaluate()) and self.is_main:   # where the run starts from
             self.write_metrics(dict(step=0, **ev)); bar.write(f"{0:>6} {self.lr_at(0):>9.2e} {'-':>8} {ev['val_loss']:9.4f}")
         while self.step < c.steps:
             row = self.train_step(self.step)
-            self.step += 1; window_tokens += tokens_per_step; last_train = row["loss"]
-            bar.update(1); bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}")
+            self.step += 1; window_tokens += tokens_per_step
+            bar.update(1)
+            if self.last_loss is not None: bar.set_postfix(loss=f"{self.last_loss:.3f}", lr=f"{row['lr']:.2e}")  # one step behind: no wait
             if self.step % c.log_every == 0 or self.step == c.steps:
                 if self.device.type == "cuda": torch.cuda.synchronize(self.device)
                 elapsed = time.perf_counter() - window_start
+                self.check_step(); row = resolved(row)
                 row["tokens_per_s"] = window_tokens / elapsed
                 if self.peak_tflops: row["mfu"] = mfu(row["tokens_per_s"], self.model_config, c.seq_len, self.peak_tflops)
                 if self.device.type == "cuda": row["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
                 self.write_metrics(row)
                 window_start, window_tokens = time.perf_counter(), 0
             if (c.eval_every and self.step % c.eval_every == 0) or self.step == c.steps:
+                self.check_step()
                 ev = self.evaluate()
                 if self.is_main:
                     if ev: self.write_metrics(dict(step=self.step, **ev, sample=self.sample()))
                     self.plot()
                     held = f"{ev['val_loss']:9.4f}" if ev else f"{'-':>9}"
-                    bar.write(f"{self.step:>6} {row['lr']:>9.2e} {last_train:>8.4f} {held}")
+                    bar.write(f"{self.step:>6} {row['lr']:>9.2e} {self.last_loss:>8.4f} {held}")
             if c.checkpoints and c.checkpoint_every and self.step % c.checkpoint_every == 0 and self.step < c.steps: self.save()
-        bar.close()
+        bar.close(); self.check_step()
         if c.checkpoints:
             path = self.save()
             if self.is_main: self.log(f"checkpoint: {path}")

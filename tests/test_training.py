@@ -73,15 +73,22 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
 def test_non_finite_loss_stops_before_the_step(tmp_path):
     t = Trainer(cfg(tmp_path, steps=6, checkpoint_every=2), model_config("tiny"), log=quiet)
     real = t.model.forward
+    after_step_3 = {}
     def poisoned(ids, targets, mask=None, load_balance_weight=0.0):
         loss, lm, lb = real(ids, targets, mask, load_balance_weight)
-        if t.step == 3: loss = loss * float("nan"); lm = lm * float("nan")
+        if t.step == 3:
+            after_step_3.update({n: p.detach().clone() for n, p in t.model.named_parameters()})
+            after_step_3.update({n: m.clone() for n, m in t.optimizer.state_tensors().items()})
+            loss = loss * float("nan"); lm = lm * float("nan")
         return loss, lm, lb
     t.model.forward = poisoned
     with pytest.raises(NonFiniteLoss, match="step 4"): t.run()
     saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert saved == ["step-00000002.safetensors"]
     assert t.optimizer.step_count == 3
+    # the host learns of step 4 one step late, but the device skipped its update: weights and moments are step 3's
+    now = {**dict(t.model.named_parameters()), **t.optimizer.state_tensors()}
+    assert after_step_3.keys() == now.keys() and all(torch.equal(after_step_3[k], now[k]) for k in now)
 
 
 def test_keep_last_k_and_outputs(tmp_path, corpus):

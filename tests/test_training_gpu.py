@@ -1,0 +1,41 @@
+"Training chapter on the GPU (run with -m cuda): a step queued without waiting for the GPU, a non-finite step skipped there."
+import pytest
+import torch
+from rtrainer.model import model_config
+from rtrainer.training import Trainer, TrainConfig, NonFiniteLoss, resolved
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+def gpu_trainer(tmp_path, config="tiny", **kw):
+    base = dict(model=config, data="synthetic", steps=6, batch_size=4, seq_len=128, warmup=1, eval_every=0,
+                out_dir=str(tmp_path / "run"), progress=False, device="cuda")
+    return Trainer(TrainConfig(**{**base, **kw}), model_config(config), log=lambda *a: None)
+
+@pytest.mark.parametrize("config", ["tiny", "tiny_moe"])
+def test_step_body_never_waits_for_the_gpu(tmp_path, config):
+    "Apart from `check_step` (the previous step's verdict), a step's forward, backward, norm, clip and update queue without a host wait."
+    t = gpu_trainer(tmp_path, config, accumulation=2)
+    assert t.optimizer.impl == "triton"
+    for i in range(2): t.train_step(i)           # warm-up: compiles the kernels, builds the optimizer tables
+    t.check_step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try: row = t.train_step(2)
+    finally: torch.cuda.set_sync_debug_mode("default")
+    row = resolved(row)
+    assert row["step"] == 3 and row["loss"] > 0 and row["grad_norm"] > 0
+
+def test_non_finite_step_is_skipped_on_the_device(tmp_path):
+    t = gpu_trainer(tmp_path)
+    for i in range(3): t.train_step(i)
+    t.check_step()
+    before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    moments = {k: v.clone() for k, v in t.optimizer.state_tensors().items()}
+    real = t.model.forward
+    t.model.forward = lambda *a, **k: tuple(x * float("nan") for x in real(*a, **k))
+    t.train_step(3)                              # queued; its update sees a NaN scale on the device
+    t.model.forward = real
+    with pytest.raises(NonFiniteLoss, match="step 4"): t.train_step(4)    # the host learns of it one step later
+    assert t.optimizer.step_count == 3
+    assert all(torch.equal(before[n], p) for n, p in t.model.named_parameters())
+    assert all(torch.equal(moments[k], v) for k, v in t.optimizer.state_tensors().items())
