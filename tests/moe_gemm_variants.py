@@ -142,7 +142,7 @@ def _rel(got, want): return ((got.double() - want).norm() / want.norm()).item()
 def build(which, dev="cuda"):
     """(arms {name: fn}, outputs to poison, check() -> worst relative error against float64, FLOPs, baseline of
     each arm) for one GEMM at the capacity shapes."""
-    from rtrainer.moe import grouped_gemm_triton, grouped_gemm_weight_grad_triton, grouped_gemm_weight_grad_library
+    from rtrainer.moe import grouped_gemm_triton, pointer_weight_grad_triton, grouped_gemm_weight_grad_library
     from rtrainer.kernels import swiglu_forward
     bf = dict(device=dev, dtype=torch.bfloat16)
     starts = torch.arange(E, device=dev, dtype=torch.int32) * C
@@ -192,7 +192,7 @@ def build(which, dev="cuda"):
     g = torch.randn(E * C, N_out, **bf)
     out = torch.empty(E, K_in, N_out, device=dev, dtype=torch.float32)
     arms["cublas"] = lambda: grouped_gemm_weight_grad_library(x, g, starts, ends, out, capacity=C)
-    arms["grouped"] = lambda: grouped_gemm_weight_grad_triton(x, g, starts, ends, out)
+    arms["grouped"] = lambda: pointer_weight_grad_triton(x, g, starts, ends, out)   # the pointer kernel this script measured
     for cfg in WGRAD:
         arms[f"tma {cfg_name(cfg)}"] = lambda cfg=cfg: launch_weight_grad(cfg, x, g, out)
     def check(name):

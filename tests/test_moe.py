@@ -172,16 +172,18 @@ def test_grouped_gemm_forward_and_backward(sizes):
     da = grouped_gemm_triton(dc, w.transpose(1, 2), starts.to(DEVICE), ends.to(DEVICE), block_m=16)
     da_want = grouped_gemm_reference(dc.double().cpu(), w.double().cpu().transpose(1, 2), starts, ends)
     if R: assert rel(da[:R].cpu(), da_want[:R]) < 1e-5
-    # weight gradient: written, then accumulated
-    dw = torch.full(w.shape, float("nan"), device=DEVICE)
-    grouped_gemm_weight_grad_triton(a, dc, starts.to(DEVICE), ends.to(DEVICE), out=dw)
+    # weight gradient, each kernel (the TMA one reads on past a group's end, into the next group or the trailing rows):
+    # written, then accumulated
     dw_want = torch.stack([a[s:e].double().cpu().T @ dc[s:e].double().cpu() for s, e in zip(starts.tolist(), ends.tolist())])
-    assert not dw.isnan().any()
-    assert rel(dw.cpu(), dw_want) < 1e-5 if dw_want.norm() > 0 else dw.abs().max() == 0
-    for g, n in enumerate(sizes):
-        if n == 0: assert dw[g].abs().max() == 0
-    grouped_gemm_weight_grad_triton(a, dc, starts.to(DEVICE), ends.to(DEVICE), out=dw, accumulate=True)
-    if dw_want.norm() > 0: assert rel(dw.cpu(), 2 * dw_want) < 1e-5
+    for weight_grad in (moe.pointer_weight_grad_triton, moe.tma_weight_grad_triton):
+        dw = torch.full(w.shape, float("nan"), device=DEVICE)
+        weight_grad(a, dc, starts.to(DEVICE, torch.int32), ends.to(DEVICE, torch.int32), out=dw)
+        assert not dw.isnan().any()
+        assert rel(dw.cpu(), dw_want) < 1e-5 if dw_want.norm() > 0 else dw.abs().max() == 0
+        for g, n in enumerate(sizes):
+            if n == 0: assert dw[g].abs().max() == 0
+        weight_grad(a, dc, starts.to(DEVICE, torch.int32), ends.to(DEVICE, torch.int32), out=dw, accumulate=True)
+        if dw_want.norm() > 0: assert rel(dw.cpu(), 2 * dw_want) < 1e-5
 
 @needs_kernels
 def test_gather_and_combine_kernels():
@@ -217,27 +219,31 @@ def test_triton_layer_matches_float64_reference(dispatch, capacity_factor, share
     assert max(errors.values()) < 1e-4, errors
 
 @needs_kernels
-@pytest.mark.parametrize("G,steps,K,N", [(3, 2, 24, 40), (1, 1, 8, 136), (5, 3, 264, 72)])
-def test_capacity_weight_grad_tma_matches_float64(G, steps, K, N):
-    "The TMA weight gradient of capacity groups: written over NaN, then accumulated; K and N off the tile (8 | K, N: aligned rows)."
-    C = steps * moe.CAPACITY_WGRAD_LAUNCH["BLOCK_R"]
-    torch.manual_seed(G * 100 + C)
+@pytest.mark.parametrize("sizes,K,N", [([16, 16, 16], 24, 40), ([8], 8, 136), ([11, 0, 7, 16, 5], 264, 72), ([3, 1, 0], 16, 24)])
+def test_tma_weight_grad_matches_float64(sizes, K, N):
+    "The TMA weight gradient: groups on and off the row step (8 in the interpreter), written over NaN, then accumulated; K and N off the tile."
+    torch.manual_seed(K + N)
     dt = torch.float32 if moe.INTERPRETING else torch.bfloat16
-    a, dc = torch.randn(G * C, K, device=DEVICE).to(dt), torch.randn(G * C, N, device=DEVICE).to(dt)
-    assert moe.capacity_weight_grad_applies(a, dc, C)
-    dw = moe.capacity_weight_grad_triton(a, dc, C, out=torch.full((G, K, N), float("nan"), device=DEVICE))
-    want = torch.stack([a[g * C:(g + 1) * C].double().cpu().T @ dc[g * C:(g + 1) * C].double().cpu() for g in range(G)])
+    s = torch.tensor(sizes); ends = s.cumsum(0); starts = ends - s
+    R = int(s.sum())
+    a, dc = torch.randn(R, K, device=DEVICE).to(dt), torch.randn(R, N, device=DEVICE).to(dt)
+    groups = starts.to(DEVICE, torch.int32), ends.to(DEVICE, torch.int32)
+    assert moe.tma_weight_grad_applies(a, dc)
+    dw = moe.tma_weight_grad_triton(a, dc, *groups, out=torch.full((len(sizes), K, N), float("nan"), device=DEVICE))
+    want = torch.stack([a[x:y].double().cpu().T @ dc[x:y].double().cpu() for x, y in zip(starts.tolist(), ends.tolist())])
     assert not dw.isnan().any() and rel(dw.cpu(), want) < 1e-5
-    moe.capacity_weight_grad_triton(a, dc, C, out=dw, accumulate=True)
+    moe.tma_weight_grad_triton(a, dc, *groups, out=dw, accumulate=True)
     assert rel(dw.cpu(), 2 * want) < 1e-5
-    with pytest.raises(ValueError, match="multiple of"): moe.capacity_weight_grad_triton(a, dc, C + 1, out=dw)
+    with pytest.raises(ValueError, match="int32"): moe.tma_weight_grad_triton(a, dc, starts.to(DEVICE), ends.to(DEVICE), out=dw)
+    with pytest.raises(ValueError, match="16-byte"): moe.tma_weight_grad_triton(a[:, :K - 1].contiguous(), dc, *groups, out=dw)
 
 @needs_kernels
-def test_capacity_layer_runs_the_tma_weight_gradient(monkeypatch):
-    "40 tokens, top-2 of 5 experts at capacity factor 1: C = 16, a multiple of the row step, so both expert weight gradients take TMA."
-    calls, real = [], moe.capacity_weight_grad_triton
-    monkeypatch.setattr(moe, "capacity_weight_grad_triton", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
-    errors = compare_triton_to_torch(20, 24, 5, 2, 40, "capacity", 1.0, device=DEVICE, block_m=16)
+@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
+def test_layer_runs_the_tma_weight_gradient(monkeypatch, dispatch):
+    "40 tokens, top-2 of 5 experts: both expert weight gradients take TMA, capacity groups (C = 16) and dropless ones alike."
+    calls, real = [], moe.tma_weight_grad_triton
+    monkeypatch.setattr(moe, "tma_weight_grad_triton", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    errors = compare_triton_to_torch(20, 24, 5, 2, 40, dispatch, 1.0, device=DEVICE, block_m=16)
     assert len(calls) == (2 if moe.INTERPRETING else 0), calls        # fp32 on a GPU keeps the pointer kernel
     assert errors.pop("router") < 1e-4 and max(errors.values()) < 1e-4, errors
 

@@ -55,11 +55,12 @@ def test_grouped_gemm_bf16(sizes):
     err = rel(out, want); print("forward", err)
     assert not out.isnan().any() and err < 1e-2
     dc = torch.randn(R, N, device="cuda", dtype=torch.bfloat16)
-    dw = torch.full(w.shape, float("nan"), device="cuda")
-    grouped_gemm_weight_grad_triton(a, dc, starts.cuda(), ends.cuda(), out=dw)
     dw_want = torch.stack([a[x:y].double().T @ dc[x:y].double() for x, y in zip(starts.tolist(), ends.tolist())])
-    err = rel(dw, dw_want); print("weight grad", err)
-    assert not dw.isnan().any() and err < 1e-2
+    for weight_grad in (moe.pointer_weight_grad_triton, grouped_gemm_weight_grad_triton):   # the second takes TMA here
+        dw = torch.full(w.shape, float("nan"), device="cuda")
+        weight_grad(a, dc, starts.cuda(), ends.cuda(), out=dw)
+        err = rel(dw, dw_want); print(weight_grad.__name__, "weight grad", err)
+        assert not dw.isnan().any() and err < 1e-2
 
 @pytest.mark.parametrize("sizes,capacity", [([0, 300, 1, 129, 0, 1000, 64, 7], 0), ([4096] * 8, 0), ([4096] * 8, 4096), ([37] * 5, 37)])
 def test_library_grouped_gemm_bf16(sizes, capacity):
@@ -88,25 +89,27 @@ def test_library_grouped_gemm_bf16(sizes, capacity):
 @pytest.mark.parametrize("backend", ["triton", "library", "per_expert", "auto"])
 @pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
 def test_bf16_layer_close_to_float64(dispatch, backend):
-    check_bf16_layer(dispatch, backend, N=4000)          # capacity 1000: the Triton weight gradient's pointer kernel
+    check_bf16_layer(dispatch, backend, N=4000)
 
-def test_bf16_capacity_layer_with_the_tma_weight_gradient(monkeypatch):
-    "4,096 tokens, top-2 of 8 experts: capacity 1,024, a multiple of the TMA kernel's 64-row step, so both weight gradients take it."
-    calls, real = [], moe.capacity_weight_grad_triton
-    monkeypatch.setattr(moe, "capacity_weight_grad_triton", lambda *a, **k: calls.append(tuple(a[0].shape)) or real(*a, **k))
-    check_bf16_layer("capacity", "triton", N=4096)
+@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
+def test_bf16_layer_with_the_tma_weight_gradient(monkeypatch, dispatch):
+    "4,096 tokens, top-2 of 8 experts (capacity 1,024, or dropless groups off the 64-row step): both weight gradients take TMA."
+    calls, real = [], moe.tma_weight_grad_triton
+    monkeypatch.setattr(moe, "tma_weight_grad_triton", lambda *a, **k: calls.append(tuple(a[0].shape)) or real(*a, **k))
+    check_bf16_layer(dispatch, "triton", N=4096)
     assert len(calls) == 2, calls
 
-@pytest.mark.parametrize("G,steps,K,N", [(8, 2, 3072, 8192), (3, 3, 264, 520), (1, 1, 8, 136)])
-def test_capacity_weight_grad_tma_bf16(G, steps, K, N):
-    "The TMA weight gradient in bf16 on the GPU: moe4b's gate_up width, and K, N off the 128 x 256 tile; written, then accumulated."
+@pytest.mark.parametrize("sizes,K,N", [([128] * 8, 3072, 8192), ([192, 0, 129, 63, 1], 264, 520), ([64], 8, 136)])
+def test_tma_weight_grad_bf16(sizes, K, N):
+    "The TMA weight gradient in bf16 on the GPU: moe4b's gate_up width, groups off the 64-row step, K, N off the 128 x 256 tile."
     torch.manual_seed(K)
-    C = steps * moe.CAPACITY_WGRAD_CONFIG["BLOCK_R"]
-    a, dc = (torch.randn(G * C, n, device="cuda", dtype=torch.bfloat16) for n in (K, N))
-    dw = moe.capacity_weight_grad_triton(a, dc, C, out=torch.full((G, K, N), float("nan"), device="cuda"))
-    want = torch.stack([a[g * C:(g + 1) * C].double().T @ dc[g * C:(g + 1) * C].double() for g in range(G)])
+    s = torch.tensor(sizes); ends = s.cumsum(0); starts = ends - s
+    a, dc = (torch.randn(int(s.sum()), n, device="cuda", dtype=torch.bfloat16) for n in (K, N))
+    groups = starts.to("cuda", torch.int32), ends.to("cuda", torch.int32)
+    dw = moe.tma_weight_grad_triton(a, dc, *groups, out=torch.full((len(sizes), K, N), float("nan"), device="cuda"))
+    want = torch.stack([a[x:y].double().T @ dc[x:y].double() for x, y in zip(starts.tolist(), ends.tolist())])
     assert not dw.isnan().any() and rel(dw, want) < 1e-5, rel(dw, want)
-    moe.capacity_weight_grad_triton(a, dc, C, out=dw, accumulate=True)
+    moe.tma_weight_grad_triton(a, dc, *groups, out=dw, accumulate=True)
     assert rel(dw, 2 * want) < 1e-5, rel(dw, 2 * want)
 
 def check_bf16_layer(dispatch, backend, N):
