@@ -48,6 +48,7 @@ for s in "$@"; do case $s in
   forward-variants)   stage forward_variants 150 $PY tests/forward_variants.py ;;       # why four forwards trailed compile: writes $OUT/forward_variants.json
   attention-variants) stage attention_variants 360 $PY tests/attention_variants.py ;;   # flash-attention forward variants vs cuDNN: $OUT/attention_variants.json
   moe-gemm-variants) stage moe_gemm_variants ${GEMMV_LIMIT:-240} $PY tests/moe_gemm_variants.py ;;   # TMA / persistent Triton GEMMs and a SwiGLU epilogue vs cuBLAS at the moe4b expert shapes: $OUT/moe_gemm_variants.json
+  graph-step) stage graph_step ${GRAPH_LIMIT:-420} $PY tests/graph_step_check.py --config ${GRAPH_CONFIG:-rb100m} --rounds ${ROUNDS:-3} ;;   # the whole step captured in a CUDA graph vs eager, at a host-bound model: $OUT/graph_step_check.json
   step-sync) stage step_sync ${SYNC_LIMIT:-400} $PY tests/step_sync_check.py --config ${SYNC_CONFIG:-rb100m} --rounds ${ROUNDS:-3} ;;   # the trainer's per-step host sync and Python's gc, at a host-bound model: $OUT/step_sync_check.json
   moe-profile) stage moe_profile 150 $PY tests/moe_profile.py ;;   # a MoE layer step's kernels, GEMMs and the rest: $OUT/moe_profile.json
   attention-gluon) stage attention_gluon ${GLUON_LIMIT:-300} $PY tests/attention_gluon.py ;;   # Gluon forward, dQ and dK/dV with hand-placed wgmma waits, checked, then timed vs rtrainer (and cuDNN): $OUT/attention_gluon.json
