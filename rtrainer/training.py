@@ -383,7 +383,6 @@ class Trainer:
         return self.cfg.sample_prompt + tok.decode(ids)
 
     def save(self):
-        self.check_step()                      # never save after a step whose loss and norm are unread
         path = self.checkpoint_dir / f"step-{self.step:08d}.safetensors"
         save_checkpoint(path, self.model, self.optimizer, self.step, self.cfg)
         prune_checkpoints(self.checkpoint_dir, self.cfg.keep, protect=[self.cfg.init_from] if self.cfg.init_from else [])
@@ -443,7 +442,8 @@ class Trainer:
                     self.plot()
                     held = f"{ev['val_loss']:9.4f}" if ev else f"{'-':>9}"
                     bar.write(f"{self.step:>6} {row['lr']:>9.2e} {self.last_loss:>8.4f} {held}")
-            if c.checkpoints and c.checkpoint_every and self.step % c.checkpoint_every == 0 and self.step < c.steps: self.save()
+            if c.checkpoints and c.checkpoint_every and self.step % c.checkpoint_every == 0 and self.step < c.steps:
+                self.check_step(); self.save()         # never a checkpoint after a step whose loss and norm are unread
         bar.close(); self.check_step()
         if c.checkpoints:
             path = self.save()
