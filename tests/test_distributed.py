@@ -14,6 +14,7 @@ STEPS = 20
 COMMON = ["tiny", "--data", "synthetic", "--vocab-size", "512", "--seq-len", "32", "--steps", str(STEPS), "--log-every", "1",
           "--eval-every", "0", "--lr", "1e-2", "--warmup", "2", "--device", "cpu", "--no-progress", "--checkpoint-every", "10"]
 ENV = {"RTRAINER_DIST_TIMEOUT": "20", "OMP_NUM_THREADS": "1"}
+INTERPRET, KERNEL_STEPS = {"TRITON_INTERPRET": "1"}, 3
 
 def start(nproc, flags, env=None):
     "Popen of `python -m rtrainer.distributed train FLAGS` on nproc gloo ranks."
@@ -32,11 +33,16 @@ def metrics(out_dir): return [r for r in map(json.loads, open(Path(out_dir) / "m
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    "1 rank at batch 8 (FSDP2), 2 ranks at batch 4 (FSDP2) and at 2 micro-batches of 2 (DDP), 20 steps each, started together."
+    """1 rank at batch 8 (FSDP2), 2 ranks at batch 4 (FSDP2) and at 2 micro-batches of 2 (DDP), 20 steps each, started
+    together; and DDP on the Triton kernels (interpreter), whose weight gradients land in main_grad, 1 rank against 2."""
     root = tmp_path_factory.mktemp("dist")
+    kernels = ["--dp", "ddp", "--impl", "triton", "--steps", str(KERNEL_STEPS)]     # a later --steps wins
     procs = {"one": start(1, COMMON + ["--batch-size", "8", "--out-dir", str(root / "one")]),
              "two": start(2, COMMON + ["--batch-size", "4", "--out-dir", str(root / "two")]),
-             "ddp": start(2, COMMON + ["--batch-size", "2", "--accumulation", "2", "--dp", "ddp", "--out-dir", str(root / "ddp")])}
+             "ddp": start(2, COMMON + ["--batch-size", "2", "--accumulation", "2", "--dp", "ddp", "--out-dir", str(root / "ddp")]),
+             "kernels-one": start(1, COMMON + kernels + ["--batch-size", "8", "--out-dir", str(root / "kernels-one")], INTERPRET),
+             "kernels-ddp": start(2, COMMON + kernels + ["--batch-size", "2", "--accumulation", "2", "--out-dir", str(root / "kernels-ddp")],
+                                  INTERPRET)}
     for name, p in procs.items():
         rc, out = finish(p)
         assert rc == 0, f"{name} run failed:\n{out[-3000:]}"
@@ -56,6 +62,13 @@ def test_two_ranks_follow_one_process(runs):
 
 def test_ddp_follows_one_process(runs):
     loss, norm = compare(metrics(runs / "one"), metrics(runs / "ddp"), "DDP, 2 ranks x 2 micro-batches of 2 vs 1 at B=8")
+    assert loss < 1e-5 and norm < 1e-3
+
+def test_ddp_on_the_triton_kernels_follows_one_process(runs):
+    "The kernels write their weight gradients into main_grad, which only rtrainer's own all-reduce carries across ranks."
+    one, two = metrics(runs / "kernels-one"), metrics(runs / "kernels-ddp")
+    assert [r["step"] for r in one] == [r["step"] for r in two] == list(range(1, KERNEL_STEPS + 1))
+    loss, norm = compare(one, two, "DDP on the Triton kernels, 2 ranks x 2 micro-batches of 2 vs 1 at B=8")
     assert loss < 1e-5 and norm < 1e-3
 
 def test_only_rank_zero_writes(runs):
