@@ -25,11 +25,12 @@ def relative(a, b): return max(abs(x - y) / abs(x) for x, y in zip(a, b))
 
 def test_fsdp_world_size_one_follows_plain_trainer(tmp_path):
     run([sys.executable, "-m", "rtrainer", "train", *FLAGS, "--batch-size", "8", "--out-dir", str(tmp_path / "plain")])
-    for dp in ("fsdp", "ddp"):
+    # FSDP2 runs the PyTorch weight-gradient ops (bf16 gradients), DDP the same Triton kernels as the plain trainer
+    for dp, tolerance in (("fsdp", 2e-2), ("ddp", 1e-4)):
         run(worker(1, FLAGS + ["--batch-size", "8", "--dp", dp, "--out-dir", str(tmp_path / dp)]))
         err = relative(losses(tmp_path / "plain"), losses(tmp_path / dp))
-        print(f"{dp} at world size 1 vs plain trainer (bf16; PyTorch weight-gradient ops vs fp32 main_grad kernels): {err:.2e}")
-        assert err < 2e-2
+        print(f"{dp} at world size 1 vs plain trainer (bf16): largest relative loss difference {err:.2e}")
+        assert err < tolerance
 
 @two_gpus
 def test_two_gpus_follow_one_and_reshard(tmp_path):
