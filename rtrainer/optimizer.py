@@ -66,7 +66,7 @@ def adamw_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale=1.0):
 
 def adamw_update_reference(param, grad, exp_avg, exp_avg_sq, decay, s):
     "One AdamW step on one tensor in place: fp32 math on the widened master, rounded back to param's dtype. `s` from `adamw_scalars`."
-    g = grad.float() * s["grad_scale"].reshape(()) if torch.is_tensor(s["grad_scale"]) else grad.float() * s["grad_scale"]
+    g = grad.float() * s["grad_scale"]                 # a float, or a one-element tensor that broadcasts
     exp_avg.copy_(exp_avg * s["beta1"] + g * s["one_minus_beta1"])
     exp_avg_sq.copy_(exp_avg_sq * s["beta2"] + (g * g) * s["one_minus_beta2"])
     m_hat = exp_avg * s["inv_bias_correction1"]
