@@ -1,6 +1,6 @@
 """Where does one MoE layer step go, beyond its six expert GEMMs? One GPU run (about a minute) profiles a forward +
 backward at the moe4b shape (16,384 tokens, D 3072, FF 4096, 8 experts, top-2, bf16) for the library capacity arm
-(what `auto` runs) and for torch.compile of the capacity reference, and prints each arm's GPU kernels grouped
+(what `auto` runs), for torch.compile of the capacity reference and for the per-expert dropless arms (one and two streams), and prints each arm's GPU kernels grouped
 as GEMMs and the rest, per step (5 profiled steps after warm-up). Then it times the Triton router's forward and
 backward at that shape over its block sizes, against PyTorch's fp32 product. Writes $OUT/moe_profile.json.
 `python tests/moe_profile.py` on a GPU."""
@@ -56,7 +56,7 @@ def main():
     x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16).requires_grad_()
     grad_y = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
     out = {}
-    for arm in ("library capacity", "torch.compile capacity"):
+    for arm in ("library capacity", "torch.compile capacity", "per-expert dropless", "per-expert dropless, 2 streams"):
         dispatch, impl, knobs = moe.BENCHMARK_ARMS[arm]
         layer = moe.MoeFeedForward(D, FF, E, k, dispatch=dispatch, impl=impl, dtype=torch.bfloat16, device="cuda")
         module = torch.compile(layer) if arm.startswith("torch.compile") else layer
@@ -65,9 +65,12 @@ def main():
             with knob_values(moe.MOE_KNOBS, knobs): moe._moe_layer_step(module, x, grad_y, params)
         kernels = profile_arm(step)
         out[arm] = kernels
+        from rtrainer.kernels import median_ms
+        step_ms = median_ms(step)                       # wall time of the unprofiled step: kernels on two streams overlap
+        kernels["_step_ms"] = dict(ms=0.0, calls=0, step_ms=step_ms)
         gemm = sum(v["ms"] for n, v in kernels.items() if is_gemm(n))
         rest = sum(v["ms"] for n, v in kernels.items() if not is_gemm(n))
-        print(f"\n== {arm}: kernels {gemm + rest:.3f} ms per step = GEMMs {gemm:.3f} + other {rest:.3f}")
+        print(f"\n== {arm}: step {step_ms:.3f} ms; kernels {gemm + rest:.3f} ms per step = GEMMs {gemm:.3f} + other {rest:.3f}")
         for name, v in sorted(kernels.items(), key=lambda kv: -kv[1]["ms"])[:28]:
             print(f"  {v['ms']:7.3f} ms  x{v['calls']:<3d} {'GEMM ' if is_gemm(name) else '     '}{name[:110]}")
     out["router_sweep"] = router_sweep(x.detach())
