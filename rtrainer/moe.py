@@ -7,24 +7,23 @@ Docs: https://example.invalid/rtrainer/rtrainer/moe.html.md"""
 # %% auto #0
 __all__ = ['GROUPED_GEMM_BLOCK_M', 'ROW_BLOCK', 'TMA_WGRAD_CONFIG', 'INTERPRET_TMA_WGRAD_CONFIG', 'TMA_ALIGNMENT',
            'TMA_WGRAD_LAUNCH', 'ROUTER_BLOCK_ROWS', 'ROUTER_BLOCK_COLS', 'ROUTER_CHUNK_ROWS', 'EXPERT_GEMM',
-           'EXPERT_WEIGHT_GRAD', 'EXPERT_BACKENDS', 'MOE_KNOBS', 'EXPERT_STREAMS', 'RECOMPUTE_IN_BACKWARD',
-           'BENCHMARK_ARMS', 'COMPILE_MODES', 'RouterLogits', 'route_tokens', 'load_balance_loss',
-           'load_balance_weight', 'expert_capacity', 'capacity_slots', 'expert_swiglu_reference',
-           'capacity_moe_reference', 'dropless_moe_reference', 'grouped_gemm_kernel', 'grouped_gemm_weight_grad_kernel',
-           'grouped_gemm_triton', 'pointer_weight_grad_triton', 'grouped_gemm_reference', 'tma_weight_grad_kernel',
-           'tma_weight_grad_applies', 'tma_weight_grad_triton', 'grouped_gemm_weight_grad_triton', 'gather_rows_kernel',
-           'combine_rows_kernel', 'gather_rows_triton', 'combine_rows_triton', 'router_logits_kernel',
-           'router_grad_x_kernel', 'router_grad_w_kernel', 'RouterLogitsTriton', 'router_logits_triton',
-           'router_parity_errors', 'library_support', 'ExpertBackends', 'expert_backends', 'grouped_gemm_library',
-           'grouped_gemm_weight_grad_library', 'group_streams', 'grouped_gemm_per_expert',
-           'grouped_gemm_weight_grad_per_expert', 'RoutingPlan', 'capacity_plan', 'dropless_plan', 'host_group_bounds',
-           'MoeExperts', 'moe_experts_triton', 'MoeFeedForward', 'moe_parameter_count', 'naive_moe_loop',
-           'check_moe_against_loop', 'compare_triton_to_torch', 'check_empty_expert', 'saved_tensor_bytes',
-           'expert_saved_bytes', 'accumulation_gradients', 'benchmark_arms', 'benchmark_suite']
+           'EXPERT_WEIGHT_GRAD', 'EXPERT_BACKENDS', 'MOE_KNOBS', 'RECOMPUTE_IN_BACKWARD', 'BENCHMARK_ARMS',
+           'COMPILE_MODES', 'RouterLogits', 'route_tokens', 'load_balance_loss', 'load_balance_weight',
+           'expert_capacity', 'capacity_slots', 'expert_swiglu_reference', 'capacity_moe_reference',
+           'dropless_moe_reference', 'grouped_gemm_kernel', 'grouped_gemm_weight_grad_kernel', 'grouped_gemm_triton',
+           'pointer_weight_grad_triton', 'grouped_gemm_reference', 'tma_weight_grad_kernel', 'tma_weight_grad_applies',
+           'tma_weight_grad_triton', 'grouped_gemm_weight_grad_triton', 'gather_rows_kernel', 'combine_rows_kernel',
+           'gather_rows_triton', 'combine_rows_triton', 'router_logits_kernel', 'router_grad_x_kernel',
+           'router_grad_w_kernel', 'RouterLogitsTriton', 'router_logits_triton', 'router_parity_errors',
+           'library_support', 'ExpertBackends', 'expert_backends', 'grouped_gemm_library',
+           'grouped_gemm_weight_grad_library', 'grouped_gemm_per_expert', 'grouped_gemm_weight_grad_per_expert',
+           'RoutingPlan', 'capacity_plan', 'dropless_plan', 'host_group_bounds', 'MoeExperts', 'moe_experts_triton',
+           'MoeFeedForward', 'moe_parameter_count', 'naive_moe_loop', 'check_moe_against_loop',
+           'compare_triton_to_torch', 'check_empty_expert', 'saved_tensor_bytes', 'expert_saved_bytes',
+           'accumulation_gradients', 'benchmark_arms', 'benchmark_suite']
 
 # %% ../nbs/03_moe.ipynb #d120d79d
 import math, os, sys, time
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import NamedTuple
 import torch
@@ -575,8 +574,8 @@ def expert_backends(dtype, device, uniform_groups, strides_aligned=True):
     if library_runs and not uniform_groups and not strides_aligned:
         library_runs, why_not = False, "torch._grouped_mm needs row strides that are multiples of 16 bytes"
     gemm = EXPERT_GEMM
-    if gemm == "auto":   # H200, moe4b layer: bmm for capacity groups; one cuBLAS call per expert beat _grouped_mm for dropless
-        gemm = ("library" if uniform_groups else "per_expert") if device.type == "cuda" and dtype == torch.bfloat16 else "triton"
+    if gemm == "auto":   # H200, moe4b layer: bmm for capacity groups, _grouped_mm (and the TMA weight gradient) for dropless
+        gemm = ("library" if library_runs else "per_expert") if device.type == "cuda" and dtype == torch.bfloat16 else "triton"
     library_op = "bmm" if uniform_groups else "_grouped_mm"
     def fp32_output(backend):   # (its weight gradient is written in fp32, why not); per_expert runs bmm on every group
         if dtype == torch.float32: return True, ""
@@ -619,45 +618,19 @@ def grouped_gemm_weight_grad_library(rows, grad_out, group_starts, group_ends, o
         grad = torch.where((group_ends > group_starts)[:, None, None], grad, grad.new_zeros(()))
     return out.add_(grad) if accumulate else out.copy_(grad)
 
-EXPERT_STREAMS = 1   # per_expert on a GPU: the per-expert calls take turns over this many CUDA streams (see below)
-_side_streams = {}
-
-@contextmanager
-def group_streams(device):
-    """Yields `on(g)`, a context that runs the g-th group's call on one of EXPERT_STREAMS CUDA streams in turn (the
-    current stream first). The other streams wait for the current one on entry, and it waits for them on exit, so
-    what comes after sees every group's result; on a CPU, or with EXPERT_STREAMS = 1, every call stays where it is."""
-    device = torch.device(device)
-    n = EXPERT_STREAMS if device.type == "cuda" else 1
-    if n <= 1:
-        yield lambda g: nullcontext()
-        return
-    main = torch.cuda.current_stream(device)
-    side = _side_streams.setdefault(device, [])
-    while len(side) < n - 1: side.append(torch.cuda.Stream(device))
-    streams = [main, *side[:n - 1]]
-    for s in streams[1:]: s.wait_stream(main)           # the operands were written on the current stream
-    try: yield lambda g: torch.cuda.stream(streams[g % n])
-    finally:
-        for s in streams[1:]: main.wait_stream(s)       # the outputs are read on it next
-
 def grouped_gemm_per_expert(rows, weight, group_bounds, out=None):
     "rows @ weight[g] for the rows group_bounds[g]..group_bounds[g+1] (host ints), one torch.mm per non-empty group; (R, N)."
     out = torch.empty(rows.shape[0], weight.shape[-1], dtype=rows.dtype, device=rows.device) if out is None else out
-    with group_streams(rows.device) as on:
-        for g, (lo, hi) in enumerate(zip(group_bounds[:-1], group_bounds[1:])):
-            if hi > lo:
-                with on(g): torch.mm(rows[lo:hi], weight[g], out=out[lo:hi])   # (n_g, K) @ (K, N) into a view of out
+    for g, (lo, hi) in enumerate(zip(group_bounds[:-1], group_bounds[1:])):
+        if hi > lo: torch.mm(rows[lo:hi], weight[g], out=out[lo:hi])       # (n_g, K) @ (K, N) into a view of out
     return out
 
 def grouped_gemm_weight_grad_per_expert(rows, grad_out, group_bounds, out, accumulate=False):
     "out[g] (fp32, (G, K, N)) = (or +=) rows[group g]^T @ grad_out[group g], one bmm per group; empty: zero, or left as is."
-    with group_streams(rows.device) as on:
-        for g, (lo, hi) in enumerate(zip(group_bounds[:-1], group_bounds[1:])):
-            dw = out[g:g + 1]                                                  # (1, K, N) view of out
-            with on(g):
-                if hi > lo: _bmm_into(dw, rows[lo:hi].T[None], grad_out[lo:hi][None], accumulate)   # (1, K, n_g) @ (1, n_g, N)
-                elif not accumulate: dw.zero_()                                # an expert without rows: zero gradient
+    for g, (lo, hi) in enumerate(zip(group_bounds[:-1], group_bounds[1:])):
+        dw = out[g:g + 1]                                                      # (1, K, N) view of out
+        if hi > lo: _bmm_into(dw, rows[lo:hi].T[None], grad_out[lo:hi][None], accumulate)   # (1, K, n_g) @ (1, n_g, N)
+        elif not accumulate: dw.zero_()                                        # an expert without rows: zero gradient
     return out
 
 # %% ../nbs/03_moe.ipynb #ef074c3e
@@ -995,8 +968,6 @@ BENCHMARK_ARMS = {   # arm: (dispatch, impl, knobs); the first arm is compiled, 
     "library dropless": ("dropless", "triton", {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "auto"}),
     "library dropless, grouped_mm weight grad": ("dropless", "triton", {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "library"}),
     "per-expert dropless": ("dropless", "triton", {"EXPERT_GEMM": "per_expert", "EXPERT_WEIGHT_GRAD": "per_expert"}),
-    "per-expert dropless, 2 streams": ("dropless", "triton", {"EXPERT_GEMM": "per_expert", "EXPERT_WEIGHT_GRAD": "per_expert",
-                                                              "EXPERT_STREAMS": 2}),
 }
 
 COMPILE_MODES = {"torch.compile capacity": "default", "torch.compile max-autotune capacity": "max-autotune-no-cudagraphs"}
@@ -1085,7 +1056,6 @@ def benchmark_suite(quick=False, rounds=5):
                         dropless_over_capacity_time=by_arm["triton dropless"]["ms"] / by_arm["triton capacity"]["ms"],
                         library_dropless_over_capacity_time=by_arm["library dropless"]["ms"] / by_arm["library capacity"]["ms"],
                         per_expert_dropless_over_capacity_time=by_arm["per-expert dropless"]["ms"] / by_arm["library capacity"]["ms"],
-                        per_expert_2_streams_dropless_over_capacity_time=by_arm["per-expert dropless, 2 streams"]["ms"] / by_arm["library capacity"]["ms"],
                         auto_picks=auto_picks, compile_modes={name: COMPILE_MODES[name] for name in compiled}, best_compile_arm=best_compile,
                         target_ms=by_arm[best_compile]["ms"] / 1.15,
                         library_support={op: list(v) for op, v in library_support(dev).items()},

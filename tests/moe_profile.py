@@ -1,6 +1,6 @@
 """Where does one MoE layer step go, beyond its six expert GEMMs? One GPU run (about a minute) profiles a forward +
 backward at the moe4b shape (16,384 tokens, D 3072, FF 4096, 8 experts, top-2, bf16) for the library capacity arm
-(what `auto` runs), for torch.compile of the capacity reference and for the per-expert dropless arms (one and two streams), and prints each arm's GPU kernels grouped
+(what `auto` runs), for torch.compile of the capacity reference and for the dropless arms on `_grouped_mm` (what `auto` runs) and per expert, and prints each arm's GPU kernels grouped
 as GEMMs and the rest, per step (5 profiled steps after warm-up). Then it times the Triton router's forward and
 backward at that shape over its block sizes, against PyTorch's fp32 product. Writes $OUT/moe_profile.json.
 `python tests/moe_profile.py` on a GPU."""
@@ -56,7 +56,7 @@ def main():
     x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16).requires_grad_()
     grad_y = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
     out = {}
-    for arm in ("library capacity", "torch.compile capacity", "per-expert dropless", "per-expert dropless, 2 streams"):
+    for arm in ("library capacity", "torch.compile capacity", "library dropless", "per-expert dropless"):
         dispatch, impl, knobs = moe.BENCHMARK_ARMS[arm]
         layer = moe.MoeFeedForward(D, FF, E, k, dispatch=dispatch, impl=impl, dtype=torch.bfloat16, device="cuda")
         module = torch.compile(layer) if arm.startswith("torch.compile") else layer

@@ -37,7 +37,7 @@ def test_library_support_on_hopper():
     for dispatch in ("capacity", "dropless"):
         print(dispatch, "auto ->", expert_backends(torch.bfloat16, "cuda", dispatch == "capacity"))
     assert expert_backends(torch.bfloat16, "cuda", True)[:2] == ("library", "library")
-    assert expert_backends(torch.bfloat16, "cuda", False)[:2] == ("per_expert", "per_expert")   # measured ahead of _grouped_mm
+    assert expert_backends(torch.bfloat16, "cuda", False)[:2] == ("library", "triton")   # _grouped_mm, TMA weight gradient: ahead of per-expert
     assert expert_backends(torch.float32, "cuda", False).gemm == "triton"                     # fp32: the Triton kernels
     with knob_values(moe, backend_knobs("per_expert")):                      # bmm(out_dtype=) runs: fp32 into main_grad
         assert expert_backends(torch.bfloat16, "cuda", False).weight_grad_note.endswith("fp32 into main_grad")
@@ -151,14 +151,9 @@ def test_empty_expert_bf16(backend):
     print(backend, errors, empty_grad)
     assert empty_grad == 0 and errors["y"] < 1e-2 and max(errors.values()) < 3e-2, (errors, empty_grad)
 
-@pytest.mark.parametrize("streams", [1, 3])
 @pytest.mark.parametrize("sizes", [[0, 300, 1, 129, 0, 1000, 64, 7], [4096] * 8])
-def test_per_expert_gemms_bf16(sizes, streams):
-    "Per-expert GEMMs against float64, on one stream and alternating over three (the results must be there when read)."
+def test_per_expert_gemms_bf16(sizes):
     torch.manual_seed(3)
-    with knob_values(moe, {"EXPERT_STREAMS": streams}): check_per_expert_gemms(sizes)
-
-def check_per_expert_gemms(sizes):
     bounds = [0] + torch.tensor(sizes).cumsum(0).tolist()
     starts, ends = torch.tensor(bounds[:-1]), torch.tensor(bounds[1:])
     R, K, N = bounds[-1], 512, 768
@@ -231,23 +226,3 @@ def test_benchmark_suite_quick_runs():
     assert all(r["peak_step_gib"] > 0 for r in res["rows"]) and all(r["saved_gib"] > 0 for r in res["rows"][1:])
     assert set(res["auto_picks"]) == {"capacity", "dropless"} and all(p["arm"] for p in res["auto_picks"].values()), res["auto_picks"]
     print({r["arm"]: (round(r["ms"], 3), r["weight_grad_note"]) for r in res["rows"]}, res["auto_picks"])
-
-def test_two_streams_match_one():
-    "A dropless layer with its per-expert calls alternating over two streams gives what one stream gives, step after step."
-    torch.manual_seed(4)
-    layer = MoeFeedForward(512, 256, 8, 2, dispatch="dropless", impl="triton", dtype=torch.bfloat16, device="cuda")
-    x = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16)
-    def run(streams):
-        outs = []
-        with knob_values(moe, {**backend_knobs("per_expert"), "EXPERT_STREAMS": streams}):
-            for _ in range(2):                                               # the second step reuses the allocator's blocks
-                xx = x.clone().requires_grad_()
-                start_gradient_step(layer.parameters())
-                y = layer(xx)
-                torch.autograd.backward([y, layer.last_stats["load_balance_loss"]], [torch.ones_like(y), torch.ones_like(layer.last_stats["load_balance_loss"])])
-                outs.append([y.float(), xx.grad.float(), layer.experts_gate_up.main_grad.clone(), layer.experts_down.main_grad.clone()])
-        return outs
-    one, two = run(1), run(2)
-    for step_one, step_two in zip(one, two):
-        for a, b in zip(step_one, step_two):
-            assert torch.isfinite(b).all() and rel(b, a) < 1e-6, rel(b, a)
