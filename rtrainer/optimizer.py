@@ -98,8 +98,7 @@ register_op("grad_norm", "torch", grad_norm_reference)
 # %% ../nbs/04_optimizer.ipynb #bb681fb9
 class AdamW:
     "AdamW of the precision policy: fp32 moments, fp32 math on widened masters, decoupled decay on matrices."
-    def __init__(self, named_parameters, lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, impl="torch",
-                 keep_gradients=False):
+    def __init__(self, named_parameters, lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, impl="torch"):
         named = list(named_parameters)
         if not named: raise ValueError("AdamW: got no parameters")
         self.names = [n for n, _ in named]
@@ -113,13 +112,10 @@ class AdamW:
         self.decays = [parameter_kind(n) != "norm" and p.ndim >= 2 for n, p in named]
         self.exp_avg, self.exp_avg_sq = {}, {}          # name -> fp32 moment, created at the first gradient
         self.step_count = 0
-        self.keep_gradients = keep_gradients            # keep the fp32 gradient buffers from step to step (see zero_grad)
 
     def zero_grad(self):
-        """Start a step: clear .grad, and mark the fp32 gradient buffers for overwriting (`keep_gradients`: they stay
-        where they are, so the fused kernels' address tables stay valid) or free them (the backward's first writes
-        allocate them again, after the forward's activation peak)."""
-        start_gradient_step(self.params, release=not self.keep_gradients)
+        "Start a step: free the fp32 gradient buffers (the backward's first writes allocate them again) and clear .grad."
+        start_gradient_step(self.params, release=True)
 
     def gradients(self):
         "[(index, fp32 gradient)] for every parameter that has a gradient this step."

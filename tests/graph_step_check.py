@@ -16,9 +16,7 @@ An experiment, not the trainer: it changes nothing in the package, and patches w
 Arms, each a fresh process, alternated over ROUNDS rounds, WARMUP steps and then STEPS timed ones; the summary
 gives the paired ratio graph/arm with its 95% interval:
 
-  trainer          Trainer.train_step as it is: under keep_gradients="auto" a model of at most 1 GiB of fp32
-                   gradients (rb100m, prof183m) keeps its gradient buffers from step to step
-  trainer-release  the same with keep_gradients="off": the buffers are freed between steps (the trainer until now)
+  trainer      Trainer.train_step as it is (gradient buffers freed between steps)
   persistent   the step body below, run eagerly, gradients kept at fixed addresses
   graph        the same body captured once in a CUDA graph and replayed
 
@@ -28,22 +26,21 @@ import json, sys, time
 import torch
 from arm_rounds import arguments, synthetic_trainer, report, alternated_rounds
 
-ARMS = ("trainer", "trainer-release", "persistent", "graph")
+ARMS = ("trainer", "persistent", "graph")
 
 def child(spec):
-    arm = spec["arm"]
     import rtrainer.optimizer as optimizer
     from rtrainer.kernels import start_gradient_step
     from rtrainer.optimizer import clip_scale
     from rtrainer.moe import load_balance_weight
-    trainer = synthetic_trainer(spec, keep_gradients="off" if arm == "trainer-release" else "auto")
+    trainer = synthetic_trainer(spec)
     device = trainer.device
     cuda = device.type == "cuda"
-    c, opt = trainer.cfg, trainer.optimizer
+    c, opt, arm = trainer.cfg, trainer.optimizer, spec["arm"]
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     losses, notes = [], {}
 
-    if arm.startswith("trainer"):
+    if arm == "trainer":
         def step(i): losses.append(trainer.train_step(i)["loss"])
     else:
         inputs, targets, _ = next(iter(trainer.micro_batches(0)))

@@ -6,8 +6,7 @@ from rtrainer import training
 from rtrainer.cli import main
 from rtrainer.model import model_config
 from rtrainer.tokenization import prepare_corpus
-from rtrainer.training import (Trainer, TrainConfig, NonFiniteLoss, save_checkpoint, read_checkpoint, load_model_weights,
-                               keeps_gradients)
+from rtrainer.training import (Trainer, TrainConfig, NonFiniteLoss, save_checkpoint, read_checkpoint, load_model_weights)
 
 
 @pytest.fixture(scope="module")
@@ -189,30 +188,3 @@ def test_shards_with_a_larger_vocabulary_than_the_model_are_refused(tmp_path):
                                                         "shards": [{"file": "x-train-00000.tok", "split": "train"}]}))
     with pytest.raises(ValueError, match="50257 ids but the model's vocab_size is 32004"):
         TrainingData(str(tmp_path), 0, 32004)
-
-
-def test_kept_gradient_buffers_train_alike(tmp_path):
-    "Keeping the fp32 gradient buffers between steps (overwritten, not freed) changes no bit of the run, Triton kernels included."
-    runs = {}
-    for keep in ("off", "on"):
-        t = Trainer(cfg(tmp_path / keep, steps=2, keep_gradients=keep), model_config("tiny", impl="triton", vocab_size=512), log=quiet)
-        assert t.optimizer.keep_gradients == (keep == "on")
-        buffers = []
-        real_step = t.optimizer.step
-        def step(*a, **k):
-            buffers.append({n: p.main_grad.data_ptr() for n, p in zip(t.optimizer.names, t.optimizer.params)
-                            if getattr(p, "main_grad", None) is not None})
-            return real_step(*a, **k)
-        t.optimizer.step = step
-        t.run()
-        runs[keep] = ([r["loss"] for r in t.history if "loss" in r], {n: p.detach().clone() for n, p in t.model.named_parameters()})
-        if keep == "on": assert buffers[0] and buffers[1] == buffers[0]   # the same buffers every step
-    assert runs["on"][0] == runs["off"][0]
-    assert all(torch.equal(runs["on"][1][n], runs["off"][1][n]) for n in runs["off"][1])
-
-def test_keep_gradients_setting():
-    with pytest.raises(ValueError, match="--keep-gradients must be one of"): TrainConfig(keep_gradients="yes").validate()
-    params = [torch.zeros(10)]
-    assert keeps_gradients("on", params, "cpu") and not keeps_gradients("off", params, "cpu")
-    assert not keeps_gradients("auto", params, "cpu")                      # auto keeps them on a GPU only
-    assert keeps_gradients("auto", params, "cuda") and not keeps_gradients("auto", [torch.empty(2**28 + 1, device="meta")], "cuda")
