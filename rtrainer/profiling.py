@@ -588,8 +588,9 @@ def run_arm(spec):
         if spec["arm"] == "rtrainer":     # device tables the fused optimizer rebuilt in the timed steps (gradients that moved)
             result["optimizer_table_builds"] = {k: TABLE_BUILDS[k] - builds[k] for k in builds}
         if device.type == "cuda":
-            result.update(peak_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30,
-                          peak_reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30,
+            peak, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+            if result["cuda_graphs"]: peak = max(peak, reserved)   # graph pools, filled before the reset: count them as held
+            result.update(peak_memory_gib=peak / 2**30, peak_reserved_gib=reserved / 2**30,
                           allocator=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
         if not all(math.isfinite(v) for v in values):
             result["status"] = f"rejected: non-finite loss in the timed window ({values})"
