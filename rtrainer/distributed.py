@@ -178,6 +178,7 @@ class DistributedTrainer(Trainer):
     "The Trainer on torch.distributed: FSDP2 (default) or DDP over the ranks torchrun started."
     def __init__(self, config: TrainConfig, model_config: ModelConfig, dp="fsdp", log=print):
         if dp not in DATA_PARALLEL: raise ValueError(f"--dp must be one of {DATA_PARALLEL}, got {dp!r}")
+        if config.cuda_graph: raise ValueError("--cuda-graph runs in one process: leave it out with --nproc or --dp")
         self.dp, self.sync_gradients, self._sample_text, self.replicated = dp, True, None, []
         self.rank, self.world_size, device = init_distributed(config.device)
         self.group = dist.group.WORLD

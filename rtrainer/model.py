@@ -246,12 +246,14 @@ class TransformerLm(nn.Module):
         return x
 
     def forward(self, ids, targets, loss_mask=None, load_balance_weight=0.0):
-        "Mean next-token loss over the counted positions (+ the weighted MoE load-balance loss); returns (loss, lm_loss, lb_loss)."
+        """Mean next-token loss over the counted positions (+ the weighted MoE load-balance loss); returns (loss, lm_loss, lb_loss).
+        `load_balance_weight` may be a device tensor (a CUDA-graph step reads it there); a tensor always adds the term."""
         x = self.hidden_states(ids)
         if loss_mask is not None: targets = targets.masked_fill(~loss_mask.bool(), IGNORE_INDEX)
         lm_loss = self.op["linear_cross_entropy"](x.reshape(-1, x.shape[-1]), self.lm_head, targets.reshape(-1), self.config.vocab_size)
         lb_loss = sum(s["load_balance_loss"] for s in self.moe_stats) if self.moe_stats else lm_loss.new_zeros(())
-        loss = lm_loss + load_balance_weight * lb_loss if self.moe_stats and load_balance_weight else lm_loss
+        weighted = self.moe_stats and (torch.is_tensor(load_balance_weight) or load_balance_weight)   # no host read of a tensor
+        loss = lm_loss + load_balance_weight * lb_loss if weighted else lm_loss
         return loss, lm_loss.detach(), lb_loss.detach()
 
 # %% ../nbs/05_model.ipynb #2c0a01f1

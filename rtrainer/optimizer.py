@@ -6,13 +6,13 @@ Docs: https://example.invalid/rtrainer/rtrainer/optimizer.html.md"""
 
 # %% auto #0
 __all__ = ['PRECISIONS', 'CLIP_EPS', 'ADAMW_BLOCK_SIZE', 'ADAMW_CHUNK_SIZE', 'ADAMW_NUM_WARPS', 'ALIGNMENT_BYTES', 'TABLE_BUILDS',
-           'BENCHMARK_MATRICES', 'BENCHMARK_MATRIX', 'BENCHMARK_QUICK_MATRIX', 'ADAMW_VARIANTS', 'parameter_kind',
-           'policy_dtype', 'apply_precision_policy', 'fp32_scalar', 'adamw_scalars', 'adamw_update_reference',
-           'skipped', 'adamw_update_all_reference', 'grad_norm_reference', 'AdamW', 'clip_coefficient',
-           'clip_grad_norm', 'clip_scale', 'warmup_cosine', 'constant', 'fp32_to_bf16_nearest_even', 'adamw_block',
-           'adamw_multi_tensor_kernel', 'adamw_chunk', 'sum_of_squares_multi_tensor_kernel', 'kernels_can_run',
-           'chunk_plan', 'fused_adamw_update', 'fused_grad_norm', 'random_adamw_work', 'clone_work', 'compare_work',
-           'benchmark_suite']
+           'TABLES_FROZEN', 'BENCHMARK_MATRICES', 'BENCHMARK_MATRIX', 'BENCHMARK_QUICK_MATRIX', 'ADAMW_VARIANTS',
+           'parameter_kind', 'policy_dtype', 'apply_precision_policy', 'fp32_scalar', 'adamw_scalars',
+           'adamw_update_reference', 'skipped', 'adamw_update_all_reference', 'grad_norm_reference', 'AdamW',
+           'clip_coefficient', 'clip_grad_norm', 'clip_scale', 'warmup_cosine', 'constant', 'fp32_to_bf16_nearest_even',
+           'adamw_block', 'adamw_multi_tensor_kernel', 'adamw_chunk', 'sum_of_squares_multi_tensor_kernel',
+           'kernels_can_run', 'chunk_plan', 'write_step_scalars', 'fused_adamw_update', 'fused_grad_norm',
+           'random_adamw_work', 'clone_work', 'compare_work', 'benchmark_suite']
 
 # %% ../nbs/04_optimizer.ipynb #21e65ee1
 import math, statistics, struct, sys
@@ -112,6 +112,8 @@ class AdamW:
         self.decays = [parameter_kind(n) != "norm" and p.ndim >= 2 for n, p in named]
         self.exp_avg, self.exp_avg_sq = {}, {}          # name -> fp32 moment, created at the first gradient
         self.step_count = 0
+        self.pending = None        # (lr, step) that begin_step fixed and apply_step has not applied yet
+        self.step_scalars = None   # fp32 [4] on the device: the step's lr, lr * weight_decay and bias corrections (fused kernel)
 
     def zero_grad(self):
         "Start a step: free the fp32 gradient buffers (the backward's first writes allocate them again) and clear .grad."
@@ -142,11 +144,29 @@ class AdamW:
     @torch.no_grad()
     def step(self, lr=None, grad_scale=1.0):
         "One AdamW update at learning rate `lr` (default: the constructor's) of every parameter with a gradient, each gradient times `grad_scale`."
+        self.begin_step(lr)
+        self.apply_step(grad_scale)
+
+    def begin_step(self, lr=None):
+        """The host's half of a step: count it and fix its learning rate. Under the fused kernel the step's scalars
+        (learning rate, its product with the weight decay, the two bias corrections) are also copied into
+        `step_scalars`, a small device tensor that stays where it is and that the kernel reads: a CUDA graph that
+        captured `apply_step` once takes each later step's values from there."""
         lr = self.lr if lr is None else lr
-        grads = self.gradients()
         self.step_count += 1
-        s = adamw_scalars(lr, *self.betas, self.eps, self.weight_decay, self.step_count, grad_scale)
-        work = [(self.params[i], g, *self.moments(i), self.decays[i]) for i, g in grads]
+        self.pending = (lr, self.step_count)
+        if self.impl == "triton":
+            if self.step_scalars is None: self.step_scalars = torch.empty(4, dtype=torch.float32, device=self.params[0].device)
+            write_step_scalars(self.step_scalars, adamw_scalars(lr, *self.betas, self.eps, self.weight_decay, self.step_count))
+
+    @torch.no_grad()
+    def apply_step(self, grad_scale=1.0):
+        "The device's half: the update begin_step fixed, of every parameter with a gradient, each gradient times `grad_scale`."
+        if self.pending is None: raise RuntimeError("AdamW.apply_step: call begin_step first (or use step)")
+        (lr, step), self.pending = self.pending, None
+        s = adamw_scalars(lr, *self.betas, self.eps, self.weight_decay, step, grad_scale)
+        if self.step_scalars is not None: s["step_scalars"] = self.step_scalars
+        work = [(self.params[i], g, *self.moments(i), self.decays[i]) for i, g in self.gradients()]
         get_op("adamw_update_all", self.impl)(work, s)
 
     def set_step(self, n):
@@ -274,11 +294,13 @@ def adamw_multi_tensor_kernel(
         decays,                 # int64 [n_tensors]: 1 where decoupled weight decay applies
         chunk_tensors,          # int64 [n_chunks]: which tensor program i works on
         chunk_indices,          # int64 [n_chunks]: which chunk of that tensor (start = index * CHUNK_SIZE)
-        lr, lr_weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2,   # fp32 scalars (adamw_scalars)
-        inv_bias_correction1, inv_bias_correction2, eps,
+        step_scalars_ptr,       # fp32 [4]: lr, lr * weight_decay, 1 / bias correction 1 and 2 (write_step_scalars)
+        beta1, one_minus_beta1, beta2, one_minus_beta2, eps,          # fp32 scalars (adamw_scalars), the same every step
         grad_scale_ptr,         # fp32 [1]: the gradient scale, read on the device; NaN skips the update
         PARAM_IS_BF16: tl.constexpr, ALIGNED: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     grad_scale = tl.load(grad_scale_ptr)
+    lr, lr_weight_decay = tl.load(step_scalars_ptr), tl.load(step_scalars_ptr + 1)
+    inv_bias_correction1, inv_bias_correction2 = tl.load(step_scalars_ptr + 2), tl.load(step_scalars_ptr + 3)
     if grad_scale == grad_scale:                                      # not NaN: take the step
         adamw_chunk(param_addresses, grad_addresses, exp_avg_addresses, exp_avg_sq_addresses, numels, decays,
                     chunk_tensors, chunk_indices, lr, lr_weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2,
@@ -365,12 +387,24 @@ def _check_tensors(where, tensors, dtypes):
     return device
 
 TABLE_BUILDS = {"columns": 0, "plans": 0}   # device tables built so far: per-tensor columns, chunk plans
+TABLES_FROZEN = False                        # True while a CUDA graph is captured: a table built then would be read after it is freed
+
+def _host_to_device(values, dtype, device):
+    "A new tensor of `values` on `device`; on a GPU the copy crosses from pinned memory without waiting for the GPU."
+    flat = torch.tensor(values, dtype=dtype)
+    return flat.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else flat.to(device)
+
+def write_step_scalars(out, s):
+    "Copy the per-step scalars of `s` (adamw_scalars) into the fp32 [4] device tensor `out`, queued without a wait."
+    values = torch.tensor([s["lr"], s["lr_weight_decay"], s["inv_bias_correction1"], s["inv_bias_correction2"]], dtype=torch.float32)
+    out.copy_(values.pin_memory() if out.is_cuda else values, non_blocking=True)
 
 def _to_device(columns, device):
     """int64 columns (lists) packed into one tensor on `device`, returned as one view per column. The copy crosses from
     pinned memory without waiting for the GPU (a copy from pageable memory would wait for every kernel queued before it)."""
-    flat = torch.tensor([x for column in columns for x in column], dtype=torch.int64)
-    flat = flat.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else flat.to(device)
+    if TABLES_FROZEN:
+        raise RuntimeError("optimizer: a device table was built during a CUDA-graph capture (a gradient or a parameter moved)")
+    flat = _host_to_device([x for column in columns for x in column], torch.int64, device)
     return flat.split([len(column) for column in columns])
 
 _device_tables = {}
@@ -409,8 +443,9 @@ def _check_adamw_group(group, dtype):
 
 def fused_adamw_update(work, s):
     """AdamW step on every (param, fp32 grad, exp_avg, exp_avg_sq, decay) of `work` with the Triton kernel: one launch per
-    master dtype. The kernel reads `grad_scale` from device memory, so a scale computed on the device costs no host read."""
-    scale = s["grad_scale"]
+    master dtype. The kernel reads `grad_scale` from device memory, so a scale computed on the device costs no host read,
+    and the per-step scalars from `s["step_scalars"]` (AdamW.begin_step writes them there), or from a copy made here."""
+    scale, step_scalars = s["grad_scale"], s.get("step_scalars")
     for dtype in (torch.bfloat16, torch.float32):
         group = [w for w in work if w[0].dtype == dtype]
         if not group: continue
@@ -424,9 +459,11 @@ def fused_adamw_update(work, s):
         plan = _plan_tables(numels, ADAMW_CHUNK_SIZE, device)
         scale = (scale.reshape(1).to(device) if torch.is_tensor(scale) else
                  torch.full((1,), scale, dtype=torch.float32, device=device))
+        if step_scalars is None:
+            step_scalars = torch.empty(4, dtype=torch.float32, device=device)
+            write_step_scalars(step_scalars, s)
         adamw_multi_tensor_kernel[(len(plan[0]),)](                       # one program per chunk of the plan
-            *tables, *plan, s["lr"], s["lr_weight_decay"], s["beta1"], s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"],
-            s["inv_bias_correction1"], s["inv_bias_correction2"], s["eps"], scale,
+            *tables, *plan, step_scalars, s["beta1"], s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"], s["eps"], scale,
             PARAM_IS_BF16=dtype == torch.bfloat16, ALIGNED=all(a % ALIGNMENT_BYTES == 0 for column in addresses for a in column),
             CHUNK_SIZE=ADAMW_CHUNK_SIZE, BLOCK_SIZE=ADAMW_BLOCK_SIZE, num_warps=ADAMW_NUM_WARPS, enable_fp_fusion=False)
 

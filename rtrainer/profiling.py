@@ -27,7 +27,8 @@ from .kernels import (machine_metadata, save_results, show_results, load_results
                               ratio_interval, spread, alternation)   # the kernels chapter's paired statistics
 from .optimizer import policy_dtype, parameter_kind, TABLE_BUILDS
 from .model import ModelConfig, TransformerLm, model_config, PRESETS, REFERENCE_BATCH, parameter_counts, flops_per_token
-from .training import Trainer, TrainConfig, DATASHEET_PEAK_TFLOPS, device_peak_tflops, mfu, NonFiniteLoss, resolved
+from .training import (Trainer, TrainConfig, DATASHEET_PEAK_TFLOPS, device_peak_tflops, mfu, NonFiniteLoss, resolved,
+                               GRAPH_WARMUP_STEPS)
 
 # %% ../nbs/07_profiling.ipynb #c00cc2d0
 def resolve_peak_tflops(peak_tflops=None, device=None, warn=print):
@@ -536,7 +537,7 @@ def _sync(device):
 def _rtrainer_arm(spec, mcfg, device):
     tcfg = TrainConfig(model=spec["config"], data="synthetic", batch_size=spec["batch_size"], seq_len=spec["seq_len"],
                        steps=10**6, lr=spec.get("lr", 3e-4), warmup=0, eval_every=0, progress=False, device=str(device),
-                       out_dir=tempfile.mkdtemp(prefix="rtrainer-arm-"))
+                       out_dir=tempfile.mkdtemp(prefix="rtrainer-arm-"), cuda_graph=spec["arm"] == "rtrainer-graph")
     trainer = Trainer(tcfg, mcfg, log=lambda *a: None)
     losses = []
     def step(i): losses.append(trainer.train_step(i)["loss"])
@@ -572,20 +573,22 @@ def run_arm(spec):
     if mcfg.max_seq_len < spec["seq_len"]: mcfg = model_config(spec["config"], **{**spec.get("overrides", {}), "max_seq_len": spec["seq_len"]})
     result = dict(arm=spec["arm"], config=spec["config"], batch_size=spec["batch_size"], seq_len=spec["seq_len"], device=str(device))
     try:
-        make = _rtrainer_arm if spec["arm"] == "rtrainer" else _plain_arm
+        make = _rtrainer_arm if spec["arm"].startswith("rtrainer") else _plain_arm
         step, losses, census, model = make(spec, mcfg, device)
+        warmup = max(spec["warmup"], GRAPH_WARMUP_STEPS + 1) if spec["arm"] == "rtrainer-graph" else spec["warmup"]   # capture in the warm-up
         t0 = time.perf_counter()
-        for i in range(spec["warmup"]): step(i)
+        for i in range(warmup): step(i)
         _sync(device); result["compile_s"] = time.perf_counter() - t0
         if device.type == "cuda": torch.cuda.reset_peak_memory_stats(device)   # the peak of training, not of autotuning
         del losses[:]
         builds = dict(TABLE_BUILDS)
         t0 = time.perf_counter()
-        for i in range(spec["warmup"], spec["warmup"] + spec["steps"]): step(i)
+        for i in range(warmup, warmup + spec["steps"]): step(i)
         _sync(device); seconds = time.perf_counter() - t0
         values = [float(l) for l in losses]
-        result.update(step_ms=seconds / spec["steps"] * 1e3, census=census(), cuda_graphs=cuda_graphs_recorded())
-        if spec["arm"] == "rtrainer":     # device tables the fused optimizer rebuilt in the timed steps (gradients that moved)
+        result.update(step_ms=seconds / spec["steps"] * 1e3, census=census(),
+                      cuda_graphs=1 if spec["arm"] == "rtrainer-graph" else cuda_graphs_recorded())   # the trainer's own graph
+        if spec["arm"].startswith("rtrainer"):   # device tables the fused optimizer rebuilt in the timed steps (gradients that moved)
             result["optimizer_table_builds"] = {k: TABLE_BUILDS[k] - builds[k] for k in builds}
         if device.type == "cuda":
             peak, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
@@ -626,14 +629,16 @@ def run_arm_process(spec, timeout=None):
 
 # %% ../nbs/07_profiling.ipynb #b4671091
 def versus(config="tiny", tiers=("eager", "default"), rounds=3, steps=10, warmup=3, batch_size=None, seq_len=None,
-           peak_tflops=None, save=True, timeout=None, log=print, isolate=True, **overrides):
-    "rtrainer against the plain PyTorch baseline tiers, alternated; returns (summary rows, raw results). isolate=False: arms in this process (CPU demos only)."
+           peak_tflops=None, save=True, timeout=None, log=print, isolate=True, cuda_graph=False, **overrides):
+    """rtrainer against the plain PyTorch baseline tiers, alternated; returns (summary rows, raw results). isolate=False: arms
+    in this process (CPU demos only). cuda_graph: an "rtrainer-graph" arm (the trainer with --cuda-graph) leads, and the
+    ratios are its own against every other arm, the eager trainer's included."""
     bad = [t for t in tiers if t not in TIERS]
     if bad: raise ValueError(f"versus: unknown tiers {bad}; choose from {list(TIERS)}")
     seq_len = seq_len or (1024 if config in REFERENCE_BATCH else 64)
     batch_size = batch_size or REFERENCE_BATCH.get(config, 8)
     peak = resolve_peak_tflops(peak_tflops, warn=log)
-    arms = ["rtrainer", *tiers]
+    arms = ["rtrainer-graph"] * bool(cuda_graph) + ["rtrainer", *tiers]
     base = dict(config=config, overrides=overrides, batch_size=batch_size, seq_len=seq_len, warmup=warmup, steps=steps, peak_tflops=peak)
     results = {a: [] for a in arms}
     for r in range(rounds):
@@ -648,7 +653,7 @@ def versus(config="tiny", tiers=("eager", "default"), rounds=3, steps=10, warmup
     for a in arms:
         c = next((x.get("census") for x in results[a] if x.get("census")), None)
         if c: log(f"dtypes {a}: parameters {c['params']}, moments {c.get('moments')}")
-    rows = summarize_pairs(arms, results, "rtrainer")
+    rows = summarize_pairs(arms, results, arms[0])
     for row in rows: row.update(config=config, batch_size=batch_size, seq_len=seq_len, peak_tflops=peak)
     print_summary(rows, f"versus {config} B={batch_size} T={seq_len}: {rounds} rounds of {steps} steps after {warmup} warm-up steps"
                         f" (MFU against {peak or 'no'} TFLOP/s)")
@@ -762,11 +767,12 @@ def add_versus_arguments(p):
     p.add_argument("--peak-tflops", type=float, default=None, help="MFU denominator (default: the datasheet entry)")
     p.add_argument("--timeout", type=int, default=None, help="seconds per arm")
     p.add_argument("--no-save", action="store_true", help="do not write data/results/versus_CONFIG.json")
+    p.add_argument("--cuda-graph", action="store_true", help="also run the trainer with --cuda-graph, as the arm the others are compared to")
 
 def run_versus(args):
     "`rtrainer versus`"
     versus(args.config, tuple(t.strip() for t in args.tiers.split(",") if t.strip()), args.rounds, args.steps, args.warmup,
-           args.batch_size, args.seq_len, args.peak_tflops, save=not args.no_save, timeout=args.timeout)
+           args.batch_size, args.seq_len, args.peak_tflops, save=not args.no_save, timeout=args.timeout, cuda_graph=args.cuda_graph)
     return 0
 
 def add_sweep_arch_arguments(p):

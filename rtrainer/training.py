@@ -6,12 +6,12 @@ Docs: https://example.invalid/rtrainer/rtrainer/training.html.md"""
 
 # %% auto #0
 __all__ = ['BUNDLED_DATA', 'CHECKPOINT_FORMAT', 'SHAPE_FIELDS', 'DATASHEET_PEAK_TFLOPS', 'M_TRIM_THRESHOLD', 'M_MMAP_THRESHOLD',
-           'SHAPE_OVERRIDES', 'TrainConfig', 'read_manifest', 'TrainingData', 'atomic_save_safetensors',
-           'save_checkpoint', 'resolve_checkpoint', 'read_checkpoint', 'check_same_shape', 'load_model_weights',
-           'prune_checkpoints', 'device_peak_tflops', 'mfu', 'retain_freed_memory', 'held_out_loss', 'NonFiniteLoss',
-           'resolved', 'Trainer', 'load_model', 'add_train_arguments', 'train_config_from_args',
-           'model_config_from_args', 'ensure_bundled_data', 'run_train', 'add_eval_arguments', 'run_eval',
-           'add_generate_arguments', 'run_generate']
+           'GRAPH_WARMUP_STEPS', 'SHAPE_OVERRIDES', 'TrainConfig', 'read_manifest', 'TrainingData',
+           'atomic_save_safetensors', 'save_checkpoint', 'resolve_checkpoint', 'read_checkpoint', 'check_same_shape',
+           'load_model_weights', 'prune_checkpoints', 'device_peak_tflops', 'mfu', 'retain_freed_memory',
+           'held_out_loss', 'NonFiniteLoss', 'resolved', 'Trainer', 'load_model', 'CapturedStep', 'add_train_arguments',
+           'train_config_from_args', 'model_config_from_args', 'ensure_bundled_data', 'run_train', 'add_eval_arguments',
+           'run_eval', 'add_generate_arguments', 'run_generate']
 
 # %% ../nbs/06_training.ipynb #9db08b8c
 import argparse, ctypes, dataclasses, json, math, os, sys, time
@@ -27,7 +27,9 @@ from .tokenization import TokenFile, get_tokenizer, prepare_corpus, supervised_b
 from .kernels import git_commit
 from .matmul import IGNORE_INDEX
 from .moe import load_balance_weight
+import rtrainer.optimizer as optimizer_module
 from .optimizer import AdamW, clip_scale, warmup_cosine
+from .kernels import start_gradient_step
 from .model import ModelConfig, TransformerLm, model_config, flops_per_token, parameter_counts, generate
 
 # %% ../nbs/06_training.ipynb #5ff9d7f7
@@ -69,6 +71,7 @@ class TrainConfig:
     sample_prompt: str = "The"
     sample_tokens: int = 32
     progress: bool = True
+    cuda_graph: bool = False          # replay the whole step as one CUDA graph (a GPU, the Triton kernels, one process)
 
     def validate(self):
         for name in ["steps", "batch_size", "seq_len", "accumulation", "log_every"]:
@@ -282,6 +285,7 @@ class Trainer:
         self.data = TrainingData(config.data, config.seed, model_config.vocab_size) if not self.sft_pairs or config.data == "synthetic" or Path(config.data, "manifest.json").exists() else None
         self.history = []
         self.peak_tflops = device_peak_tflops(self.device)
+        self.captured = CapturedStep(self) if config.cuda_graph else None
         if config.resume: self.restore(config.resume, moments=True, resume=True)
         elif config.init_from: self.restore(config.init_from, moments=config.init_moments, resume=False)
 
@@ -336,8 +340,17 @@ class Trainer:
     def train_step(self, step):
         """One optimizer step, queued without waiting for the GPU; returns the step's measurements as device tensors
         (`resolved` reads them). Reads the previous step's loss and norm once this step's backward is queued."""
-        c, opt = self.cfg, self.optimizer
+        c = self.cfg
         lr, lbw = self.lr_at(step), load_balance_weight(step, c.load_balance_weight, c.load_balance_decay_steps)
+        stats, norm, moe = (self.captured or self.eager_step)(step, lr, lbw)
+        self.unchecked = (step, stats[0], norm)
+        row = dict(step=step + 1, lr=lr, loss=stats[0], grad_norm=norm)
+        if self.model_config.n_experts: row.update(load_balance_loss=stats[1], **moe)
+        return row
+
+    def eager_step(self, step, lr, lbw):
+        "The step as Python runs it: ((lm loss, lb loss), gradient norm, MoE statistics), all device tensors."
+        c, opt = self.cfg, self.optimizer
         opt.zero_grad()
         lm_total = torch.zeros((), device=self.device); lb_total = torch.zeros((), device=self.device)
         for inputs, targets, mask in self.micro_batches(step):
@@ -347,14 +360,13 @@ class Trainer:
         stats = self.reduce_mean(torch.stack([lm_total / c.accumulation, lb_total / c.accumulation]))
         self.check_step()                      # the previous step's verdict, read while the GPU works on this one
         opt.step(lr, grad_scale=clip_scale(norm, c.clip, c.accumulation, also_finite=[stats[0]]))   # NaN: skipped
-        self.unchecked = (step, stats[0], norm)
-        row = dict(step=step + 1, lr=lr, loss=stats[0], grad_norm=norm)
-        if self.model_config.n_experts:
-            row["load_balance_loss"] = stats[1]
-            if self.model.moe_stats:
-                row["expert_load"] = torch.stack([s["expert_load"].float() for s in self.model.moe_stats]).mean(0)
-                row["dropped_fraction"] = torch.stack([s["dropped_fraction"].float() for s in self.model.moe_stats]).mean()
-        return row
+        return stats, norm, self.moe_step_stats()
+
+    def moe_step_stats(self):
+        "The last forward's expert load and dropped fraction, averaged over the MoE layers (device tensors; {} if none)."
+        if not self.model.moe_stats: return {}
+        return dict(expert_load=torch.stack([s["expert_load"].float() for s in self.model.moe_stats]).mean(0),
+                    dropped_fraction=torch.stack([s["dropped_fraction"].float() for s in self.model.moe_stats]).mean())
 
     def check_step(self):
         "Read the unchecked step's loss and gradient norm on the host (a wait); raise NonFiniteLoss if either is not finite."
@@ -461,6 +473,83 @@ def load_model(checkpoint, device="auto", impl="auto"):
     return model, meta
 
 # %% ../nbs/06_training.ipynb #f676a26c
+GRAPH_WARMUP_STEPS = 3   # eager steps before the capture
+
+class CapturedStep:
+    "The trainer's step at fixed addresses: run eagerly for GRAPH_WARMUP_STEPS steps, then captured once and replayed."
+    def __init__(self, trainer, capture=True):
+        if trainer.sft_pairs: raise ValueError("--cuda-graph does not take --sft: fine-tuning batches change shape from step to step")
+        if capture:
+            if trainer.device.type != "cuda": raise ValueError(f"--cuda-graph needs a CUDA device (this run is on {trainer.device})")
+            if trainer.optimizer.impl != "triton": raise ValueError("--cuda-graph needs the Triton kernels (impl triton, or auto on a GPU)")
+        self.trainer, self.capture = trainer, capture
+        self.graph, self.outputs, self.steps_run = None, None, 0
+        self.inputs = self.targets = None
+        self.lb_weight = torch.zeros((), device=trainer.device)
+
+    def body(self):
+        "One step on the fixed buffers: ((lm loss, lb loss), gradient norm, MoE statistics), all device tensors."
+        t = self.trainer
+        c, opt = t.cfg, t.optimizer
+        kept = [(p, p.grad) for p in opt.params if p.grad is not None]
+        start_gradient_step(opt.params)                       # the fp32 buffers are overwritten, not freed
+        for p, g in kept: p.grad = g                          # autograd adds into the same .grad every step
+        if kept: torch._foreach_zero_([g for _, g in kept])
+        lm_total = torch.zeros((), device=t.device); lb_total = torch.zeros((), device=t.device)
+        for inputs, targets in zip(self.inputs, self.targets):
+            lm, lb = t.forward_backward(inputs, targets, None, self.lb_weight)
+            lm_total += lm.float(); lb_total += lb.float()
+        norm = opt.grad_norm() / c.accumulation
+        stats = torch.stack([lm_total / c.accumulation, lb_total / c.accumulation])
+        opt.apply_step(grad_scale=clip_scale(norm, c.clip, c.accumulation, also_finite=[stats[0]]))   # NaN: skipped
+        return stats, norm, t.moe_step_stats()
+
+    def __call__(self, step, lr, lbw):
+        t = self.trainer
+        batches = [(x, y) for x, y, _ in t.micro_batches(step)]
+        if self.inputs is None: self.inputs, self.targets = [x.clone() for x, _ in batches], [y.clone() for _, y in batches]
+        else:
+            for dst, (x, _) in zip(self.inputs, batches): dst.copy_(x)
+            for dst, (_, y) in zip(self.targets, batches): dst.copy_(y)
+        self.lb_weight.fill_(lbw)
+        t.check_step()                    # the previous step's verdict, before this step's update is queued
+        t.optimizer.begin_step(lr)
+        if not self.capture: outputs = self.body()
+        elif self.steps_run < GRAPH_WARMUP_STEPS: outputs = self.warm_up()
+        else:
+            if self.graph is None: self.record()
+            self.graph.replay()
+            outputs = self.outputs
+        self.steps_run += 1
+        stats, norm, moe = outputs
+        return stats.clone(), norm.clone(), {k: v.clone() for k, v in moe.items()}   # the next replay overwrites them
+
+    def warm_up(self):
+        "An eager step on a side stream, as PyTorch asks before a capture."
+        current = torch.cuda.current_stream(self.trainer.device)
+        side = torch.cuda.Stream(self.trainer.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side): outputs = self.body()
+        current.wait_stream(side)
+        return outputs
+
+    def record(self):
+        "Capture the body once; it runs at the first replay."
+        torch.cuda.synchronize(self.trainer.device)
+        torch.cuda.empty_cache()          # the warm-up's activations, cached for the side stream: the graph gets its own pool
+        self.graph = torch.cuda.CUDAGraph()
+        optimizer_module.TABLES_FROZEN = True
+        try:
+            with torch.cuda.graph(self.graph): self.outputs = self.body()
+        except Exception as e:
+            self.graph = None
+            raise RuntimeError(f"--cuda-graph: the step could not be captured ({type(e).__name__}: {str(e).splitlines()[0][:300]}); "
+                               "run without --cuda-graph") from e
+        finally: optimizer_module.TABLES_FROZEN = False
+        # the graph reads the optimizer's address tables by pointer: hold them, whatever their caches drop later
+        self.tables = list(optimizer_module._device_tables.values()) + list(optimizer_module._device_plans.values())
+
+# %% ../nbs/06_training.ipynb #6bbb2f76
 SHAPE_OVERRIDES = {"vocab_size": int, "d_model": int, "n_layers": int, "n_heads": int, "n_kv_heads": int, "head_dim": int,
                    "d_ff": int, "max_seq_len": int, "n_experts": int, "top_k": int, "expert_d_ff": int,
                    "capacity_factor": float, "moe_dispatch": str, "impl": str, "precision": str}

@@ -20,12 +20,13 @@ def arguments(doc, arms, steps=4):
     if unknown: sys.exit(f"{os.path.basename(sys.argv[0])}: unknown arms {unknown}; choose from {list(arms)}")
     return a
 
-def synthetic_trainer(spec):
+def synthetic_trainer(spec, **train_config):
     "The Trainer of one arm's process: `spec`'s config, batch and sequence length on synthetic data, no warm-up, quiet."
     from rtrainer.model import model_config
     from rtrainer.training import TrainConfig, Trainer
     tcfg = TrainConfig(model=spec["config"], data="synthetic", batch_size=spec["batch_size"], seq_len=spec["seq_len"],
-                       steps=10**6, warmup=0, eval_every=0, progress=False, device=spec["device"], out_dir=spec["out_dir"])
+                       steps=10**6, warmup=0, eval_every=0, progress=False, device=spec["device"], out_dir=spec["out_dir"],
+                       **train_config)
     mcfg = model_config(spec["config"], max_seq_len=max(spec["seq_len"], model_config(spec["config"]).max_seq_len))
     return Trainer(tcfg, mcfg, log=lambda *a: None)
 

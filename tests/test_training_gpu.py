@@ -39,3 +39,40 @@ def test_non_finite_step_is_skipped_on_the_device(tmp_path):
     assert t.optimizer.step_count == 3
     assert all(torch.equal(before[n], p) for n, p in t.model.named_parameters())
     assert all(torch.equal(moments[k], v) for k, v in t.optimizer.state_tensors().items())
+
+@pytest.mark.parametrize("config", ["tiny", "tiny_moe"])
+def test_cuda_graph_step_trains_as_the_eager_step(tmp_path, config):
+    "--cuda-graph: warm-up, capture and replays run the eager step's kernels on the same data, so the runs agree; no table moves."
+    import rtrainer.optimizer as optimizer
+    from rtrainer.training import GRAPH_WARMUP_STEPS
+    runs = {}
+    for graph in (False, True):
+        t = gpu_trainer(tmp_path / str(graph), config, steps=10, accumulation=2, cuda_graph=graph)
+        rows = []
+        for i in range(10):
+            rows.append(t.train_step(i))
+            if i == GRAPH_WARMUP_STEPS: builds = dict(optimizer.TABLE_BUILDS)   # the capture has happened
+        t.check_step()
+        if graph: assert t.captured.graph is not None and optimizer.TABLE_BUILDS == builds   # replays rebuild nothing
+        runs[graph] = ([resolved(r)["loss"] for r in rows], {n: p.detach().float().clone() for n, p in t.model.named_parameters()})
+    print("eager", runs[False][0], "\ngraph", runs[True][0])
+    assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(runs[False][0], runs[True][0]))
+    worst = max(((runs[True][1][n] - w).norm() / w.norm()).item() for n, w in runs[False][1].items())
+    print("largest relative weight difference", worst)
+    assert worst < 1e-5
+
+def test_cuda_graph_skips_a_non_finite_step(tmp_path):
+    "A replayed step that turns non-finite is skipped on the device, and the next step stops the run before its own update."
+    t = gpu_trainer(tmp_path, steps=10, cuda_graph=True)
+    for i in range(6): t.train_step(i)            # warm-up, capture, replays
+    t.check_step()
+    moments = {k: v.clone() for k, v in t.optimizer.state_tensors().items()}
+    with torch.no_grad(): t.model.final_norm.fill_(float("nan"))   # the graph reads the weights from memory: the loss turns NaN
+    t.train_step(6)
+    with pytest.raises(NonFiniteLoss, match="step 7"): t.train_step(7)
+    assert t.optimizer.step_count == 6
+    assert all(torch.equal(moments[k], v) for k, v in t.optimizer.state_tensors().items())
+
+def test_cuda_graph_refusals(tmp_path):
+    with pytest.raises(ValueError, match="needs the Triton kernels"):
+        Trainer(TrainConfig(data="synthetic", device="cuda", cuda_graph=True, out_dir=str(tmp_path)), model_config("tiny", impl="torch"))
