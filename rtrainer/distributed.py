@@ -27,7 +27,7 @@ try: from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy, FSDPM
 except ImportError: from torch.distributed._composable.fsdp import fully_shard, MixedPrecisionPolicy, FSDPModule
 import rtrainer
 from .kernels import get_op, gradient_fp32, git_commit, main_grad_for_write, mark_main_grad_written
-from .optimizer import AdamW, adamw_scalars, parameter_kind
+from .optimizer import AdamW, parameter_kind
 from .model import ModelConfig, TransformerLm, Block
 from .training import (Trainer, TrainConfig, NonFiniteLoss, CHECKPOINT_FORMAT, add_train_arguments,
                                train_config_from_args, model_config_from_args, ensure_bundled_data, read_checkpoint,
@@ -138,15 +138,6 @@ class ShardedAdamW(AdamW):
         return (sharded + self._sum_of_squares([g for i, g in grads if not isinstance(self.params[i], DTensor)])).sqrt()
 
     def local(self, p): return local_tensor(p)
-
-    @torch.no_grad()
-    def step(self, lr=None, grad_scale=1.0):
-        lr = self.lr if lr is None else lr
-        grads = self.gradients()
-        self.step_count += 1
-        s = adamw_scalars(lr, *self.betas, self.eps, self.weight_decay, self.step_count, grad_scale)
-        work = [(local_tensor(self.params[i]), g, *self.moments(i), self.decays[i]) for i, g in grads]
-        get_op("adamw_update_all", self.impl)(work, s)
 
     def sharded_moments(self):
         "{'exp_avg.NAME': t, 'exp_avg_sq.NAME': t} for every parameter, as DTensors laid out like the parameter (created if missing)."

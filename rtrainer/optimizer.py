@@ -166,8 +166,12 @@ class AdamW:
         (lr, step), self.pending = self.pending, None
         s = adamw_scalars(lr, *self.betas, self.eps, self.weight_decay, step, grad_scale)
         if self.step_scalars is not None: s["step_scalars"] = self.step_scalars
-        work = [(self.params[i], g, *self.moments(i), self.decays[i]) for i, g in self.gradients()]
+        work = [(self.local(self.params[i]), g, *self.moments(i), self.decays[i]) for i, g in self.gradients()]
         get_op("adamw_update_all", self.impl)(work, s)
+
+    def local(self, p):
+        "The tensor the update writes for parameter `p`: `p` itself here; a sharded optimizer returns this rank's shard."
+        return p
 
     def set_step(self, n):
         "Set the number of updates taken (for a resume from weights without moments)."

@@ -24,12 +24,11 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 import rtrainer
 from .tokenization import TokenFile, get_tokenizer, prepare_corpus, supervised_batch, load_sft_jsonl, EOT_ID
-from .kernels import git_commit
+from .kernels import git_commit, start_gradient_step
 from .matmul import IGNORE_INDEX
 from .moe import load_balance_weight
 import rtrainer.optimizer as optimizer_module
 from .optimizer import AdamW, clip_scale, warmup_cosine
-from .kernels import start_gradient_step
 from .model import ModelConfig, TransformerLm, model_config, flops_per_token, parameter_counts, generate
 
 # %% ../nbs/06_training.ipynb #5ff9d7f7
