@@ -41,7 +41,7 @@ for s in "$@"; do case $s in
   moe)       stage bench_moe ${MOE_LIMIT:-300} $PY -c "from rtrainer.moe import benchmark_suite; benchmark_suite(rounds=3)" ;;
   optimizer) stage bench_optimizer 90 $PY -c "from rtrainer.optimizer import benchmark_suite; benchmark_suite(quick=True)" ;;
   profile)   stage profile 100 $PY -m rtrainer profile --config prof183m --batch-size 32 ;;
-  versus-*)  c=${s#versus-}; stage "versus_$c" "${VERSUS_LIMIT:-220}" $PY -m rtrainer versus --config "$c" --tiers "${TIERS:-default}" --rounds "${ROUNDS:-2}" --steps ${VSTEPS:-4} --warmup ${VWARMUP:-3} --timeout ${ARM_TIMEOUT:-160} ;;
+  versus-*)  c=${s#versus-}; stage "versus_$c" "${VERSUS_LIMIT:-220}" $PY -m rtrainer versus --config "$c" --tiers "${TIERS:-default}" --rounds "${ROUNDS:-2}" --steps ${VSTEPS:-4} --warmup ${VWARMUP:-3} --timeout ${ARM_TIMEOUT:-160} ${VGRAPH:+--cuda-graph} ;;   # VGRAPH=1: also the trainer with --cuda-graph, leading
   norms)     stage bench_norms 90 $PY -c "from rtrainer.kernels import benchmark_suite; benchmark_suite(kernels=['rms_norm', 'add_rms_norm'], save_as='kernels_norms')" ;;
   fsdp)      stage fsdp ${FSDP_LIMIT:-300} $PY -c "from rtrainer.distributed import benchmark_suite; print(benchmark_suite(steps=${STEPS:-12}, rounds=${ROUNDS:-3}, impl='${IMPL:-triton}'))" ;;
   curves-*)  c=${s#curves-}; b=$($PY -c "from rtrainer.model import REFERENCE_BATCH as R; print(R['$c'])"); stage "loss_curves_$c" ${CURVES_LIMIT:-300} $PY tests/gpu_train_bench.py --arms $c:$b:torch,$c:$b:triton --rounds 1 --steps ${CURVE_STEPS:-200} --data data/python-docs --name "loss_curves_$c" --extra "--lr 6e-4 --warmup 20 ${CURVE_EXTRA:---vocab-size 50257}" ;;   # the python-docs shard is r50k: rb100m needs the wider vocabulary
