@@ -393,11 +393,6 @@ def _check_tensors(where, tensors, dtypes):
 TABLE_BUILDS = {"columns": 0, "plans": 0}   # device tables built so far: per-tensor columns, chunk plans
 TABLES_FROZEN = False                        # True while a CUDA graph is captured: a table built then would be read after it is freed
 
-def _host_to_device(values, dtype, device):
-    "A new tensor of `values` on `device`; on a GPU the copy crosses from pinned memory without waiting for the GPU."
-    flat = torch.tensor(values, dtype=dtype)
-    return flat.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else flat.to(device)
-
 def write_step_scalars(out, s):
     "Copy the per-step scalars of `s` (adamw_scalars) into the fp32 [4] device tensor `out`, queued without a wait."
     values = torch.tensor([s["lr"], s["lr_weight_decay"], s["inv_bias_correction1"], s["inv_bias_correction2"]], dtype=torch.float32)
@@ -408,7 +403,8 @@ def _to_device(columns, device):
     pinned memory without waiting for the GPU (a copy from pageable memory would wait for every kernel queued before it)."""
     if TABLES_FROZEN:
         raise RuntimeError("optimizer: a device table was built during a CUDA-graph capture (a gradient or a parameter moved)")
-    flat = _host_to_device([x for column in columns for x in column], torch.int64, device)
+    flat = torch.tensor([x for column in columns for x in column], dtype=torch.int64)
+    flat = flat.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else flat.to(device)
     return flat.split([len(column) for column in columns])
 
 _device_tables = {}

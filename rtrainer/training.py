@@ -310,8 +310,8 @@ class Trainer:
         horizon = c.decay_steps or c.steps
         return warmup_cosine(step, c.lr, min(c.warmup, horizon), horizon, floor=c.floor)  # a warmup longer than the run is cut to it
 
-    def micro_batches(self, step):
-        "The accumulation-many (inputs, targets, loss_mask) micro-batches of a step, on the device."
+    def host_batches(self, step):
+        "A step's (inputs, targets, loss_mask) on the host, its micro-batches stacked (B * accumulation rows); pinned on a GPU run."
         c = self.cfg
         B, n = c.batch_size, c.accumulation
         if self.sft_pairs:
@@ -324,7 +324,13 @@ class Trainer:
             mask = None
         if self.device.type == "cuda":   # from pinned memory the copy is truly asynchronous; from pageable memory it waits for the GPU
             inputs, targets = inputs.pin_memory(), targets.pin_memory()   # (contiguous: a strided pinned view is staged through pageable memory)
-        for i in range(n):
+        return inputs, targets, mask
+
+    def micro_batches(self, step):
+        "The accumulation-many (inputs, targets, loss_mask) micro-batches of a step, on the device."
+        inputs, targets, mask = self.host_batches(step)
+        B = self.cfg.batch_size
+        for i in range(self.cfg.accumulation):
             s = slice(i * B, (i + 1) * B)
             yield (inputs[s].to(self.device, non_blocking=True), targets[s].to(self.device, non_blocking=True),
                    None if mask is None else mask[s].to(self.device))
@@ -495,8 +501,9 @@ class CapturedStep:
         for p, g in kept: p.grad = g                          # autograd adds into the same .grad every step
         if kept: torch._foreach_zero_([g for _, g in kept])
         lm_total = torch.zeros((), device=t.device); lb_total = torch.zeros((), device=t.device)
-        for inputs, targets in zip(self.inputs, self.targets):
-            lm, lb = t.forward_backward(inputs, targets, None, self.lb_weight)
+        for i in range(c.accumulation):                       # micro-batches: views of the fixed input tensors
+            s = slice(i * c.batch_size, (i + 1) * c.batch_size)
+            lm, lb = t.forward_backward(self.inputs[s], self.targets[s], None, self.lb_weight)
             lm_total += lm.float(); lb_total += lb.float()
         norm = opt.grad_norm() / c.accumulation
         stats = torch.stack([lm_total / c.accumulation, lb_total / c.accumulation])
@@ -505,11 +512,10 @@ class CapturedStep:
 
     def __call__(self, step, lr, lbw):
         t = self.trainer
-        batches = [(x, y) for x, y, _ in t.micro_batches(step)]
-        if self.inputs is None: self.inputs, self.targets = [x.clone() for x, _ in batches], [y.clone() for _, y in batches]
-        else:
-            for dst, (x, _) in zip(self.inputs, batches): dst.copy_(x)
-            for dst, (_, y) in zip(self.targets, batches): dst.copy_(y)
+        inputs, targets, _ = t.host_batches(step)           # (no loss mask: --sft is refused)
+        if self.inputs is None:
+            self.inputs, self.targets = (torch.empty(x.shape, dtype=x.dtype, device=t.device) for x in (inputs, targets))
+        self.inputs.copy_(inputs, non_blocking=True); self.targets.copy_(targets, non_blocking=True)   # host to fixed tensors
         self.lb_weight.fill_(lbw)
         t.check_step()                    # the previous step's verdict, before this step's update is queued
         t.optimizer.begin_step(lr)

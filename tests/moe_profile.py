@@ -1,13 +1,13 @@
 """Where does one MoE layer step go, beyond its six expert GEMMs? One GPU run (about a minute) profiles a forward +
 backward at the moe4b shape (16,384 tokens, D 3072, FF 4096, 8 experts, top-2, bf16) for the library capacity arm
-(what `auto` runs), for torch.compile of the capacity reference and for the dropless arms on `_grouped_mm` (what `auto` runs) and per expert, and prints each arm's GPU kernels grouped
-as GEMMs and the rest, per step (5 profiled steps after warm-up). Then it times the Triton router's forward and
+(what `auto` runs), for torch.compile of the capacity reference and for the dropless arms on `_grouped_mm` (what
+`auto` runs) and per expert, and prints each arm's unprofiled step time and its GPU kernels grouped as GEMMs and the rest, per step (5 profiled steps after warm-up). Then it times the Triton router's forward and
 backward at that shape over its block sizes, against PyTorch's fp32 product. Writes $OUT/moe_profile.json.
 `python tests/moe_profile.py` on a GPU."""
 import json, os, sys
 from collections import defaultdict
 import torch
-from rtrainer.kernels import knob_values
+from rtrainer.kernels import knob_values, median_ms
 from rtrainer import moe
 
 STEPS = 5
@@ -31,7 +31,6 @@ def profile_arm(step):
 
 def router_sweep(x):
     "Forward and backward ms of the router's logits at x's shape: PyTorch's fp32 product, then the Triton kernels per block size."
-    from rtrainer.kernels import median_ms
     r = (torch.randn(x.shape[1], 8, device="cuda") * 0.02).requires_grad_()
     xg = x.clone().requires_grad_()
     g = torch.randn(x.shape[0], 8, device="cuda")
@@ -55,7 +54,7 @@ def main():
     torch.manual_seed(0)
     x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16).requires_grad_()
     grad_y = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
-    out = {}
+    out = {"step_ms": {}}
     for arm in ("library capacity", "torch.compile capacity", "library dropless", "per-expert dropless"):
         dispatch, impl, knobs = moe.BENCHMARK_ARMS[arm]
         layer = moe.MoeFeedForward(D, FF, E, k, dispatch=dispatch, impl=impl, dtype=torch.bfloat16, device="cuda")
@@ -65,9 +64,7 @@ def main():
             with knob_values(moe.MOE_KNOBS, knobs): moe._moe_layer_step(module, x, grad_y, params)
         kernels = profile_arm(step)
         out[arm] = kernels
-        from rtrainer.kernels import median_ms
-        step_ms = median_ms(step)                       # wall time of the unprofiled step: kernels on two streams overlap
-        kernels["_step_ms"] = dict(ms=0.0, calls=0, step_ms=step_ms)
+        step_ms = out["step_ms"][arm] = median_ms(step)   # the unprofiled step, beside its kernels' sum
         gemm = sum(v["ms"] for n, v in kernels.items() if is_gemm(n))
         rest = sum(v["ms"] for n, v in kernels.items() if not is_gemm(n))
         print(f"\n== {arm}: step {step_ms:.3f} ms; kernels {gemm + rest:.3f} ms per step = GEMMs {gemm:.3f} + other {rest:.3f}")
