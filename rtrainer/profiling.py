@@ -307,7 +307,8 @@ def summarize_pairs(arms, results, reference):
         else:
             row["status"] = next((r.get("status") for r in results[arm] if r.get("status")), "failed")
         if arm != reference and ok:
-            pairs = [results[reference][i]["tokens_per_s"] / r["tokens_per_s"] for i, r in ok if results[reference][i].get("tokens_per_s")]
+            pairs = [results[reference][i]["tokens_per_s"] / r["tokens_per_s"] for i, r in ok
+                     if i < len(results[reference]) and results[reference][i].get("tokens_per_s")]   # an interrupted round: unpaired
             if pairs:
                 row[f"{reference}/arm"], row["ci95_low"], row["ci95_high"] = ratio_interval(pairs)
         rows.append(row)
@@ -640,24 +641,31 @@ def versus(config="tiny", tiers=("eager", "default"), rounds=3, steps=10, warmup
     peak = resolve_peak_tflops(peak_tflops, warn=log)
     arms = ["rtrainer-graph"] * bool(cuda_graph) + ["rtrainer", *tiers]
     base = dict(config=config, overrides=overrides, batch_size=batch_size, seq_len=seq_len, warmup=warmup, steps=steps, peak_tflops=peak)
-    results = {a: [] for a in arms}
-    for r in range(rounds):
-        for arm in alternation(arms, r):
-            res = run_arm_process(dict(base, arm=arm), timeout=timeout) if isolate else run_arm(dict(base, arm=arm))
-            results[arm].append(res)
-            memory = f", peak {res['peak_memory_gib']:.1f} GiB" if res.get("peak_memory_gib") is not None else ""
-            tables = f", optimizer tables rebuilt {res['optimizer_table_builds']}" if res.get("optimizer_table_builds") else ""
-            what = (f"{res['tokens_per_s']:,.0f} tokens/s{memory}, compile {res.get('compile_s', 0):.1f} s{tables}" if res.get("tokens_per_s")
-                    else res.get("status"))
-            log(f"round {r + 1} {arm}: {what}")
+    results, interrupted = {a: [] for a in arms}, None
+    try:
+        for r in range(rounds):
+            for arm in alternation(arms, r):
+                res = run_arm_process(dict(base, arm=arm), timeout=timeout) if isolate else run_arm(dict(base, arm=arm))
+                results[arm].append(res)
+                memory = f", peak {res['peak_memory_gib']:.1f} GiB" if res.get("peak_memory_gib") is not None else ""
+                tables = f", optimizer tables rebuilt {res['optimizer_table_builds']}" if res.get("optimizer_table_builds") else ""
+                what = (f"{res['tokens_per_s']:,.0f} tokens/s{memory}, compile {res.get('compile_s', 0):.1f} s{tables}"
+                        if res.get("tokens_per_s") else res.get("status"))
+                log(f"round {r + 1} {arm}: {what}")
+    except KeyboardInterrupt:          # Ctrl-C or a time limit: the arms that finished are summarized and kept
+        interrupted = f"interrupted in round {r + 1} of {rounds}"
+        log(f"versus: {interrupted}; summarizing the arms that finished")
     for a in arms:
         c = next((x.get("census") for x in results[a] if x.get("census")), None)
         if c: log(f"dtypes {a}: parameters {c['params']}, moments {c.get('moments')}")
     rows = summarize_pairs(arms, results, arms[0])
     for row in rows: row.update(config=config, batch_size=batch_size, seq_len=seq_len, peak_tflops=peak)
     print_summary(rows, f"versus {config} B={batch_size} T={seq_len}: {rounds} rounds of {steps} steps after {warmup} warm-up steps"
-                        f" (MFU against {peak or 'no'} TFLOP/s)")
-    if save: log(f"saved {save_results(f'versus_{config}', rows, raw=results)}")
+                        f" (MFU against {peak or 'no'} TFLOP/s){', ' + interrupted if interrupted else ''}")
+    if save:   # an interrupted run is kept beside the complete record, never over it
+        name = f"versus_{config}_interrupted" if interrupted else f"versus_{config}"
+        log(f"saved {save_results(name, rows, raw=results, **({'interrupted': interrupted} if interrupted else {}))}")
+    if interrupted: raise KeyboardInterrupt(interrupted)
     return rows, results
 
 # %% ../nbs/07_profiling.ipynb #a945d0df

@@ -142,3 +142,24 @@ def test_worktree_arm_refuses_foreign_or_dirty_code():
         print(dirty.stderr.strip())
         assert dirty.returncode != 0 and "is not commit" in dirty.stderr
     assert not tree.path.exists()
+
+def test_versus_interrupted_keeps_the_finished_arms(tmp_path, monkeypatch):
+    "Ctrl-C in round 2: round 1's arms are summarized and saved beside (not over) the complete record, and the interrupt goes on."
+    import rtrainer.profiling as prof, rtrainer.kernels as kernels
+    monkeypatch.setattr(kernels, "RESULTS_DIR", tmp_path)
+    (tmp_path / "versus_tiny.json").write_text("complete")
+    calls = []
+    def fake_arm(spec):
+        calls.append(spec["arm"])
+        if len(calls) == 3: raise KeyboardInterrupt
+        rate = 100.0 if spec["arm"] == "rtrainer" else 80.0 + len(calls)
+        return dict(arm=spec["arm"], tokens_per_s=rate, mfu=0.1, peak_memory_gib=1.0)
+    monkeypatch.setattr(prof, "run_arm", fake_arm)
+    with pytest.raises(KeyboardInterrupt): versus("tiny", tiers=("eager",), rounds=3, isolate=False, log=lambda *a: None)
+    assert (tmp_path / "versus_tiny.json").read_text() == "complete"
+    saved = json.loads((tmp_path / "versus_tiny_interrupted.json").read_text())
+    assert saved["interrupted"] == "interrupted in round 2 of 3"
+    by = {r["arm"]: r for r in saved["rows"]}
+    assert by["rtrainer"]["rounds"] == by["eager"]["rounds"] == 1
+    first_eager = 100.0 / next(r["tokens_per_s"] for r in saved["raw"]["eager"])
+    assert abs(by["eager"]["rtrainer/arm"] - first_eager) < 1e-12
