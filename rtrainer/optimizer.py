@@ -6,13 +6,14 @@ Docs: https://example.invalid/rtrainer/rtrainer/optimizer.html.md"""
 
 # %% auto #0
 __all__ = ['PRECISIONS', 'CLIP_EPS', 'ADAMW_BLOCK_SIZE', 'ADAMW_CHUNK_SIZE', 'ADAMW_NUM_WARPS', 'ALIGNMENT_BYTES', 'TABLE_BUILDS',
-           'TABLES_FROZEN', 'BENCHMARK_MATRICES', 'BENCHMARK_MATRIX', 'BENCHMARK_QUICK_MATRIX', 'ADAMW_VARIANTS',
+           'CAPTURE_STAGING', 'BENCHMARK_MATRICES', 'BENCHMARK_MATRIX', 'BENCHMARK_QUICK_MATRIX', 'ADAMW_VARIANTS',
            'parameter_kind', 'policy_dtype', 'apply_precision_policy', 'fp32_scalar', 'adamw_scalars',
            'adamw_update_reference', 'skipped', 'adamw_update_all_reference', 'grad_norm_reference', 'AdamW',
            'clip_coefficient', 'clip_grad_norm', 'clip_scale', 'warmup_cosine', 'constant', 'fp32_to_bf16_nearest_even',
            'adamw_block', 'adamw_multi_tensor_kernel', 'adamw_chunk', 'sum_of_squares_multi_tensor_kernel',
-           'kernels_can_run', 'chunk_plan', 'write_step_scalars', 'fused_adamw_update', 'fused_grad_norm',
-           'random_adamw_work', 'clone_work', 'compare_work', 'benchmark_suite']
+           'kernels_can_run', 'chunk_plan', 'CaptureStaging', 'write_step_scalars', 'staging_entries',
+           'fused_adamw_update', 'fused_grad_norm', 'random_adamw_work', 'clone_work', 'compare_work',
+           'benchmark_suite']
 
 # %% ../nbs/04_optimizer.ipynb #21e65ee1
 import math, statistics, struct, sys
@@ -391,7 +392,24 @@ def _check_tensors(where, tensors, dtypes):
     return device
 
 TABLE_BUILDS = {"columns": 0, "plans": 0}   # device tables built so far: per-tensor columns, chunk plans
-TABLES_FROZEN = False                        # True while a CUDA graph is captured: a table built then would be read after it is freed
+
+class CaptureStaging:
+    """Pinned host memory for the address tables built while a CUDA graph is captured. It is allocated before the
+    capture (pinning memory during one is not allowed), and the captured copy reads it again at every replay, so it
+    must live as long as the graph."""
+    def __init__(self, numel): self.host, self.used = torch.empty(numel, dtype=torch.int64, pin_memory=True), 0
+
+    def take(self, values):
+        "A slice of the pinned memory now holding `values` (ints)."
+        n = len(values)
+        if self.used + n > self.host.numel():
+            raise RuntimeError(f"optimizer: the capture's table staging holds {self.host.numel()} entries, {self.used + n} are needed")
+        view = self.host[self.used:self.used + n]
+        self.used += n
+        view.copy_(torch.tensor(values, dtype=torch.int64))
+        return view
+
+CAPTURE_STAGING = None   # a CaptureStaging while a CUDA graph is captured (the training chapter's CapturedStep sets it)
 
 def write_step_scalars(out, s):
     "Copy the per-step scalars of `s` (adamw_scalars) into the fp32 [4] device tensor `out`, queued without a wait."
@@ -401,10 +419,10 @@ def write_step_scalars(out, s):
 def _to_device(columns, device):
     """int64 columns (lists) packed into one tensor on `device`, returned as one view per column. The copy crosses from
     pinned memory without waiting for the GPU (a copy from pageable memory would wait for every kernel queued before it)."""
-    if TABLES_FROZEN:
-        raise RuntimeError("optimizer: a device table was built during a CUDA-graph capture (a gradient or a parameter moved)")
-    flat = torch.tensor([x for column in columns for x in column], dtype=torch.int64)
-    flat = flat.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else flat.to(device)
+    values = [x for column in columns for x in column]
+    if torch.device(device).type != "cuda": flat = torch.tensor(values, dtype=torch.int64).to(device)
+    elif CAPTURE_STAGING is not None: flat = CAPTURE_STAGING.take(values).to(device, non_blocking=True)   # a replay copies it again
+    else: flat = torch.tensor(values, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
     return flat.split([len(column) for column in columns])
 
 _device_tables = {}
@@ -430,6 +448,10 @@ def _plan_tables(numels, chunk_size, device):
         _device_plans[key] = _to_device(chunk_plan(numels, chunk_size), device)
         TABLE_BUILDS["plans"] += 1
     return _device_plans[key]
+
+def staging_entries():
+    "Entries in the cached per-tensor tables: a capture that rebuilds every one of them needs this many in its staging."
+    return sum(sum(view.numel() for view in views) for views in _device_tables.values())
 
 def _check_adamw_group(group, dtype):
     masters = [w[0] for w in group]

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 import rtrainer
 from .tokenization import TokenFile, get_tokenizer, prepare_corpus, supervised_batch, load_sft_jsonl, EOT_ID
-from .kernels import git_commit, start_gradient_step
+from .kernels import git_commit
 from .matmul import IGNORE_INDEX
 from .moe import load_balance_weight
 import rtrainer.optimizer as optimizer_module
@@ -496,10 +496,7 @@ class CapturedStep:
         "One step on the fixed buffers: ((lm loss, lb loss), gradient norm, MoE statistics), all device tensors."
         t = self.trainer
         c, opt = t.cfg, t.optimizer
-        kept = [(p, p.grad) for p in opt.params if p.grad is not None]
-        start_gradient_step(opt.params)                       # the fp32 buffers are overwritten, not freed
-        for p, g in kept: p.grad = g                          # autograd adds into the same .grad every step
-        if kept: torch._foreach_zero_([g for _, g in kept])
+        opt.zero_grad()                  # as the eager step: the fp32 buffers and `.grad` come back in the backward
         lm_total = torch.zeros((), device=t.device); lb_total = torch.zeros((), device=t.device)
         for i in range(c.accumulation):                       # micro-batches: views of the fixed input tensors
             s = slice(i * c.batch_size, (i + 1) * c.batch_size)
@@ -540,21 +537,26 @@ class CapturedStep:
 
     def record(self):
         "Capture the body once; it runs at the first replay."
+        om = optimizer_module
+        self.trainer.optimizer.zero_grad()   # the warm-up's gradients: the capture allocates its own in the graph's pool
         torch.cuda.synchronize(self.trainer.device)
         torch.cuda.empty_cache()          # the warm-up's activations, cached for the side stream: the graph gets its own pool
+        before = dict(om._device_tables)     # held below: a cache cleared during the capture must not free what it reads
+        staging = om.CAPTURE_STAGING = om.CaptureStaging(2 * om.staging_entries() + 65536)
         self.graph = torch.cuda.CUDAGraph()
-        optimizer_module.TABLES_FROZEN = True
         try:
             with torch.cuda.graph(self.graph): self.outputs = self.body()
         except Exception as e:
             self.graph = None
             raise RuntimeError(f"--cuda-graph: the step could not be captured ({type(e).__name__}: {str(e).splitlines()[0][:300]}); "
                                "run without --cuda-graph") from e
-        finally: optimizer_module.TABLES_FROZEN = False
-        # the graph reads the optimizer's address tables by pointer: hold them, whatever their caches drop later
-        self.tables = list(optimizer_module._device_tables.values()) + list(optimizer_module._device_plans.values())
+        finally: om.CAPTURE_STAGING = None
+        # The tables built in the capture (the gradients' new addresses) are filled by each replay's copy from `staging`:
+        # out of the cache, so no eager step reads them. The graph holds them, the staging and the tables it reused.
+        built = [om._device_tables.pop(k) for k in list(om._device_tables) if k not in before]
+        self.tables = (staging, built, list(before.values()) + list(om._device_tables.values()) + list(om._device_plans.values()))
 
-# %% ../nbs/06_training.ipynb #6bbb2f76
+# %% ../nbs/06_training.ipynb #c0a401fb
 SHAPE_OVERRIDES = {"vocab_size": int, "d_model": int, "n_layers": int, "n_heads": int, "n_kv_heads": int, "head_dim": int,
                    "d_ff": int, "max_seq_len": int, "n_experts": int, "top_k": int, "expert_d_ff": int,
                    "capacity_factor": float, "moe_dispatch": str, "impl": str, "precision": str}

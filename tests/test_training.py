@@ -191,7 +191,7 @@ def test_shards_with_a_larger_vocabulary_than_the_model_are_refused(tmp_path):
 
 
 def test_captured_step_body_trains_as_the_eager_step_on_the_kernels(tmp_path):
-    "The --cuda-graph step body, run eagerly on the Triton kernels (interpreter): kept fp32 buffers and .grad, the optimizer's scalars in device memory; bit for bit the eager step."
+    "The --cuda-graph step body, run eagerly on the Triton kernels (interpreter): the optimizer's scalars in device memory; bit for bit the eager step."
     from rtrainer.training import CapturedStep, resolved
     out = {}
     for captured in (False, True):
@@ -201,6 +201,6 @@ def test_captured_step_body_trains_as_the_eager_step_on_the_kernels(tmp_path):
         rows = [resolved(t.train_step(i)) for i in range(2)]
         t.check_step()
         out[captured] = ([r["loss"] for r in rows], {n: p.detach().clone() for n, p in t.model.named_parameters()})
-        if captured: assert all(getattr(p, "main_grad", None) is not None for p in t.optimizer.params if p.ndim == 2)   # kept
+        if captured: assert all(getattr(p, "main_grad", None) is not None for p in t.optimizer.params if p.ndim == 2)   # written by the backward
     assert out[True][0] == out[False][0]
     assert all(torch.equal(out[True][1][n], out[False][1][n]) for n in out[False][1])

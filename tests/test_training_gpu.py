@@ -76,3 +76,19 @@ def test_cuda_graph_skips_a_non_finite_step(tmp_path):
 def test_cuda_graph_refusals(tmp_path):
     with pytest.raises(ValueError, match="needs the Triton kernels"):
         Trainer(TrainConfig(data="synthetic", device="cuda", cuda_graph=True, out_dir=str(tmp_path)), model_config("tiny", impl="torch"))
+
+def test_cuda_graph_peak_memory_is_the_eager_steps(tmp_path):
+    "The graph allocates its gradients in the backward, as the eager step does: its peak is the eager step's, not that plus the fp32 buffers."
+    import gc
+    peaks = {}
+    for graph in (False, True):
+        gc.collect(); torch.cuda.synchronize(); torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(); torch.cuda.reset_peak_memory_stats()
+        t = gpu_trainer(tmp_path / str(graph), steps=8, batch_size=8, seq_len=256, cuda_graph=graph)
+        for i in range(8): t.train_step(i)
+        t.check_step(); torch.cuda.synchronize()
+        peaks[graph] = torch.cuda.max_memory_allocated() - base
+        fp32_bytes = 4 * sum(p.numel() for p in t.optimizer.params)
+        del t
+    print({k: f"{v / 2**20:.1f} MiB" for k, v in peaks.items()}, f"fp32 gradients {fp32_bytes / 2**20:.1f} MiB")
+    assert peaks[True] <= peaks[False] + fp32_bytes / 4
