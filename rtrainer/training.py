@@ -6,7 +6,7 @@ Docs: https://example.invalid/rtrainer/rtrainer/training.html.md"""
 
 # %% auto #0
 __all__ = ['BUNDLED_DATA', 'CHECKPOINT_FORMAT', 'SHAPE_FIELDS', 'DATASHEET_PEAK_TFLOPS', 'M_TRIM_THRESHOLD', 'M_MMAP_THRESHOLD',
-           'GRAPH_WARMUP_STEPS', 'SHAPE_OVERRIDES', 'TrainConfig', 'read_manifest', 'TrainingData',
+           'GRAPH_WARMUP_STEPS', 'SHAPE_OVERRIDES', 'setting', 'TrainConfig', 'read_manifest', 'TrainingData',
            'atomic_save_safetensors', 'save_checkpoint', 'resolve_checkpoint', 'read_checkpoint', 'check_same_shape',
            'load_model_weights', 'prune_checkpoints', 'device_peak_tflops', 'mfu', 'retain_freed_memory',
            'held_out_loss', 'NonFiniteLoss', 'resolved', 'Trainer', 'load_model', 'CapturedStep', 'add_train_arguments',
@@ -34,43 +34,47 @@ from .model import ModelConfig, TransformerLm, model_config, flops_per_token, pa
 # %% ../nbs/06_training.ipynb #5ff9d7f7
 BUNDLED_DATA = "data/python-docs"
 
+def setting(default, help):
+    "A TrainConfig field with the help text its `rtrainer train` flag shows."
+    return field(default=default, metadata={"help": help})
+
 @dataclass
 class TrainConfig:
     "A training run's settings (the model's shape is in ModelConfig)."
-    model: str = "tiny"               # preset name or JSON file
-    data: str = BUNDLED_DATA          # folder of TOK1 shards with manifest.json, or "synthetic"
-    steps: int = 300                  # optimizer steps in total (a resumed run continues to this step)
-    batch_size: int = 8               # sequences per micro-batch
-    seq_len: int = 64
-    accumulation: int = 1             # micro-batches per optimizer step
-    lr: float = 3e-3
-    warmup: int = 30
-    floor: float = 0.1                # the cosine ends at floor * lr
-    decay_steps: int = 0              # where the cosine ends; 0 = steps
-    weight_decay: float = 0.1
-    betas: tuple = (0.9, 0.999)
-    eps: float = 1e-8
-    clip: float = 1.0                 # global gradient-norm clip; 0 = off
-    eval_every: int = 100
-    eval_batches: int = 10            # held-out chunks per evaluation (0 = the whole held-out shard)
-    log_every: int = 10
-    checkpoint_dir: str = ""          # default: OUT_DIR/checkpoints
-    checkpoint_every: int = 0         # 0 = only at the end
-    keep: int = 3                     # checkpoints kept
-    checkpoints: bool = True          # write checkpoints at all (throughput runs turn this off)
-    resume: str = ""                  # a checkpoint file or folder to continue
-    init_from: str = ""               # a checkpoint to start from (read, never written)
-    init_moments: bool = False        # with init_from: also take the AdamW moments and step counter
-    out_dir: str = "runs/tiny"
-    device: str = "auto"
-    seed: int = 0
-    sft: str = ""                     # JSONL of {"prompt", "response"}: supervised fine-tuning
-    load_balance_weight: float = 1e-2
-    load_balance_decay_steps: int = 10_000
-    sample_prompt: str = "The"
-    sample_tokens: int = 32
-    progress: bool = True
-    cuda_graph: bool = False          # replay the whole step as one CUDA graph (a GPU, the Triton kernels, one process)
+    model: str = setting("tiny", "preset name or model-config JSON file")
+    data: str = setting(BUNDLED_DATA, 'folder of TOK1 shards with manifest.json, or "synthetic"')
+    steps: int = setting(300, "optimizer steps in total (a resumed run continues to this step)")
+    batch_size: int = setting(8, "sequences per micro-batch")
+    seq_len: int = setting(64, "tokens per sequence")
+    accumulation: int = setting(1, "micro-batches per optimizer step")
+    lr: float = setting(3e-3, "peak learning rate")
+    warmup: int = setting(30, "steps of linear learning-rate warm-up")
+    floor: float = setting(0.1, "the cosine ends at floor * lr")
+    decay_steps: int = setting(0, "where the cosine ends; 0 = steps")
+    weight_decay: float = setting(0.1, "AdamW weight decay (matrices only)")
+    betas: tuple = setting((0.9, 0.999), "AdamW betas")
+    eps: float = setting(1e-8, "AdamW epsilon")
+    clip: float = setting(1.0, "global gradient-norm clip; 0 = off")
+    eval_every: int = setting(100, "steps between held-out evaluations; 0 = only at the end")
+    eval_batches: int = setting(10, "held-out chunks per evaluation; 0 = the whole held-out shard")
+    log_every: int = setting(10, "steps per logged row")
+    checkpoint_dir: str = setting("", "checkpoint folder (default: OUT_DIR/checkpoints)")
+    checkpoint_every: int = setting(0, "steps between checkpoints; 0 = only at the end")
+    keep: int = setting(3, "checkpoints kept")
+    checkpoints: bool = setting(True, "write checkpoints (throughput runs turn this off)")
+    resume: str = setting("", "a checkpoint file or folder to continue")
+    init_from: str = setting("", "a checkpoint to start from (read, never written)")
+    init_moments: bool = setting(False, "with --init-from: also take the AdamW moments and step counter")
+    out_dir: str = setting("runs/tiny", "folder of the metrics, the loss curve and the checkpoints (default: runs/MODEL)")
+    device: str = setting("auto", "auto (a GPU if there is one), cuda, cuda:N or cpu")
+    seed: int = setting(0, "seed of the weights, the batch order and the sample")
+    sft: str = setting("", 'JSONL of {"prompt", "response"}: supervised fine-tuning')
+    load_balance_weight: float = setting(1e-2, "MoE load-balance loss weight at step 0")
+    load_balance_decay_steps: int = setting(10_000, "the load-balance weight decays linearly to 0 at this step")
+    sample_prompt: str = setting("The", "prompt of the sample printed at the end")
+    sample_tokens: int = setting(32, "tokens in that sample")
+    progress: bool = setting(True, "progress bars and the logged table")
+    cuda_graph: bool = setting(False, "replay the whole step as one CUDA graph (a GPU, the Triton kernels, one process)")
 
     def validate(self):
         for name in ["steps", "batch_size", "seq_len", "accumulation", "log_every"]:
@@ -568,10 +572,13 @@ def add_train_arguments(p):
     p.add_argument("model", nargs="?", default="tiny", help="preset name or model-config JSON (default: tiny)")
     for f in dataclasses.fields(TrainConfig):
         if f.name in ("model", "betas"): continue
+        text = f.metadata.get("help", "")
         if isinstance(f.default, bool):   # a True default is turned off with --no-NAME
-            if f.default: p.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false", default=None, help="turn off")
-            else: p.add_argument(_flag(f.name), action="store_true", default=None)
-        else: p.add_argument(_flag(f.name), type=type(f.default), default=None, help=f"(default: {f.default!r})")
+            if f.default: p.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false", default=None, help=f"turn off: {text}")
+            else: p.add_argument(_flag(f.name), action="store_true", default=None, help=text)
+        else:                             # the default joins the text unless the text says it
+            shown = text if "default" in text else f"{text} (default: {f.default!r})"
+            p.add_argument(_flag(f.name), type=type(f.default), default=None, help=shown)
     for name, typ in SHAPE_OVERRIDES.items(): p.add_argument(_flag(name), type=typ, default=None, help="model override")
 
 def train_config_from_args(args):

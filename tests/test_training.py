@@ -204,3 +204,16 @@ def test_captured_step_body_trains_as_the_eager_step_on_the_kernels(tmp_path):
         if captured: assert all(getattr(p, "main_grad", None) is not None for p in t.optimizer.params if p.ndim == 2)   # written by the backward
     assert out[True][0] == out[False][0]
     assert all(torch.equal(out[True][1][n], out[False][1][n]) for n in out[False][1])
+
+def test_every_train_flag_explains_itself(capsys):
+    "Each TrainConfig field carries help text, and `rtrainer train --help` shows it beside its flag."
+    import dataclasses
+    from rtrainer.cli import main
+    fields = dataclasses.fields(TrainConfig)
+    assert all(f.metadata.get("help") for f in fields), [f.name for f in fields if not f.metadata.get("help")]
+    with pytest.raises(SystemExit) as e: main(["train", "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split()).replace("- ", "-")   # argparse wraps lines, at hyphens too
+    for f in fields:
+        if f.name in ("model", "betas"): continue
+        assert f.metadata["help"][:30].replace("- ", "-") in text, f.name
