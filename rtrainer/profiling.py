@@ -6,13 +6,14 @@ Docs: https://example.invalid/rtrainer/rtrainer/profiling.html.md"""
 
 # %% auto #0
 __all__ = ['PHASES', 'PROFILE_WARMUP_STEPS', 'CHART_ROWS', 'ARM_GUARD', 'TIERS', 'ARM_RESULT_PREFIX', 'CHANGED_FRACTION',
-           'CHANGED_MIN_MS', 'resolve_peak_tflops', 'days_for_tokens', 'ProfilingTrainer', 'attribute_device_events',
-           'device_gaps', 'profile_step', 'profile_trainer', 'profile_table', 'profile_chart', 'Worktree',
-           'run_in_worktree', 'tokens_per_s_from_metrics', 'ab_arm', 'summarize_pairs', 'print_summary', 'ab',
-           'PlainMoe', 'PlainBlock', 'PlainTransformer', 'plain_parameter_counts', 'check_parameter_counts',
-           'dtype_census', 'PlainAdamW', 'cuda_graphs_recorded', 'run_arm', 'arm_main', 'run_arm_process', 'versus',
-           'sweep_arch', 'changed_rows', 'add_profile_arguments', 'run_profile', 'add_ab_arguments', 'run_ab',
-           'add_versus_arguments', 'run_versus', 'add_sweep_arch_arguments', 'run_sweep_arch']
+           'CHANGED_MIN_MS', 'IMPL_HELP', 'resolve_peak_tflops', 'days_for_tokens', 'ProfilingTrainer',
+           'attribute_device_events', 'device_gaps', 'profile_step', 'profile_trainer', 'profile_table',
+           'profile_chart', 'Worktree', 'run_in_worktree', 'tokens_per_s_from_metrics', 'ab_arm', 'summarize_pairs',
+           'print_summary', 'ab', 'PlainMoe', 'PlainBlock', 'PlainTransformer', 'plain_parameter_counts',
+           'check_parameter_counts', 'dtype_census', 'PlainAdamW', 'cuda_graphs_recorded', 'run_arm', 'arm_main',
+           'run_arm_process', 'versus', 'sweep_arch', 'changed_rows', 'add_batch_arguments', 'add_rounds_arguments',
+           'add_profile_arguments', 'run_profile', 'add_ab_arguments', 'run_ab', 'add_versus_arguments', 'run_versus',
+           'add_sweep_arch_arguments', 'run_sweep_arch']
 
 # %% ../nbs/07_profiling.ipynb #973d0d1b
 import argparse, json, math, os, shutil, statistics, subprocess, sys, tempfile, time
@@ -704,10 +705,23 @@ def changed_rows(base, new):
         if abs(y - x) > CHANGED_MIN_MS and abs(y - x) > CHANGED_FRACTION * max(x, y): out.append((name, x, y))
     return sorted(out, key=lambda t: -abs(t[2] - t[1]))
 
+IMPL_HELP = "the ops: auto (the Triton kernels on a GPU, PyTorch on a CPU), torch or triton"
+
+def add_batch_arguments(p):
+    "--batch-size and --seq-len, whose defaults are the configuration's reference batch."
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: the configuration's reference batch, else 8)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 1024 for a reference configuration, else 64)")
+
+def add_rounds_arguments(p):
+    "--rounds, --steps and --warmup of an alternated comparison."
+    p.add_argument("--rounds", type=int, default=3, help="rounds; every arm runs once per round, in alternating order (default: 3)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per arm and round (default: 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before them (default: 3)")
+
 def add_profile_arguments(p):
     p.add_argument("--config", default="prof183m", help="preset name (default prof183m)")
-    p.add_argument("--batch-size", type=int, default=None); p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--impl", default="auto", choices=["auto", "torch", "triton"])
+    add_batch_arguments(p)
+    p.add_argument("--impl", default="auto", choices=["auto", "torch", "triton"], help=IMPL_HELP)
     p.add_argument("--vocab-size", type=int, default=None, help="model override (small vocabularies for quick checks)")
     p.add_argument("--baseline-ref", default=None, help="also profile this git ref in a worktree and compare")
     p.add_argument("--out", default=None, help="JSON report (default runs/profile-CONFIG.json)")
@@ -757,9 +771,8 @@ def run_profile(args):
 
 def add_ab_arguments(p):
     p.add_argument("--ref", default="HEAD", help="arm A (default HEAD)"); p.add_argument("--baseline-ref", default="main", help="arm B")
-    p.add_argument("--config", default="rb100m"); p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10); p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=None); p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--config", default="rb100m", help="preset name (default: rb100m)")
+    add_rounds_arguments(p); add_batch_arguments(p)
 
 def run_ab(args):
     "`rtrainer ab`"
@@ -767,11 +780,9 @@ def run_ab(args):
     return 0
 
 def add_versus_arguments(p):
-    p.add_argument("--config", default="rb100m")
-    p.add_argument("--tiers", default="eager,default,reduce-overhead,max-autotune-no-cudagraphs", help="comma-separated torch.compile tiers")
-    p.add_argument("--rounds", type=int, default=3); p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=None); p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--config", default="rb100m", help="preset name (default: rb100m)")
+    p.add_argument("--tiers", default="eager,default,reduce-overhead,max-autotune-no-cudagraphs", help="comma-separated torch.compile tiers (default: %(default)s)")
+    add_rounds_arguments(p); add_batch_arguments(p)
     p.add_argument("--peak-tflops", type=float, default=None, help="MFU denominator (default: the datasheet entry)")
     p.add_argument("--timeout", type=int, default=None, help="seconds per arm")
     p.add_argument("--no-save", action="store_true", help="do not write data/results/versus_CONFIG.json")
@@ -785,11 +796,12 @@ def run_versus(args):
 
 def add_sweep_arch_arguments(p):
     p.add_argument("config", help="preset name or model-config JSON")
-    p.add_argument("--batch-size", type=int, default=None); p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--warmup", type=int, default=2); p.add_argument("--peak-tflops", type=float, default=None)
+    add_batch_arguments(p)
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before the timed one (default: 2)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="MFU denominator (default: the datasheet entry)")
     for name in ["d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "n_experts", "top_k", "expert_d_ff", "vocab_size"]:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None, help="model override")
-    p.add_argument("--impl", default=None, choices=["auto", "torch", "triton"])
+    p.add_argument("--impl", default=None, choices=["auto", "torch", "triton"], help=IMPL_HELP)
 
 def run_sweep_arch(args):
     "`rtrainer sweep-arch`"

@@ -618,9 +618,10 @@ def run_train(args):
 def add_eval_arguments(p):
     p.add_argument("--checkpoint", required=True, help="checkpoint file or folder")
     p.add_argument("--data", required=True, help="prepared data folder (its held-out shard is used)")
-    p.add_argument("--batch-size", type=int, default=8); p.add_argument("--seq-len", type=int, default=0, help="default: the run's")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per batch (default: 8)")
+    p.add_argument("--seq-len", type=int, default=0, help="default: the run's")
     p.add_argument("--max-batches", type=int, default=0, help="0: the whole held-out shard")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto (a GPU if there is one), cuda, cuda:N or cpu")
 
 def run_eval(args):
     "`rtrainer eval`: held-out loss and perplexity of a checkpoint."
@@ -633,10 +634,13 @@ def run_eval(args):
     return 0
 
 def add_generate_arguments(p):
-    p.add_argument("--checkpoint", required=True); p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=50); p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=40); p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--checkpoint", required=True, help="checkpoint file or folder (its newest checkpoint)")
+    p.add_argument("--prompt", required=True, help="text the continuation starts from")
+    p.add_argument("--max-new-tokens", type=int, default=50, help="tokens generated (default: 50)")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy (default: 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens; 0 = all (default: 40)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--device", default="auto", help="auto (a GPU if there is one), cuda, cuda:N or cpu")
 
 def run_generate(args):
     "`rtrainer generate`: print the prompt and its continuation."

@@ -38,3 +38,12 @@ def test_bench_gemm_is_wired_and_needs_a_gpu(capsys):
     if torch.cuda.is_available(): pytest.skip("checks the no-GPU message")
     assert main(["bench", "gemm", "--model-shapes", "rb100m"]) == 1
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+def test_every_flag_of_every_subcommand_has_help():
+    "`rtrainer COMMAND --help` says what each flag does."
+    import argparse
+    from rtrainer.cli import build_parser
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    silent = {name: [a.option_strings[-1] if a.option_strings else a.dest for a in p._actions if not a.help]
+              for name, p in sub.choices.items()}
+    assert not any(silent.values()), {k: v for k, v in silent.items() if v}
