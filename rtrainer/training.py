@@ -435,6 +435,8 @@ class Trainer:
             pc = parameter_counts(self.model_config)
             self.log(f"model {c.model}: {pc['total']/1e6:.2f}M parameters ({pc['active']/1e6:.2f}M active), impl {self.model.impl}, "
                      f"precision {self.model.precision}, device {self.device}; {tokens_per_step:,} tokens per step")
+            if self.captured and self.captured.capture:
+                self.log(f"--cuda-graph: {GRAPH_WARMUP_STEPS} eager steps, then the step is captured once and replayed")
             self.log(f"{'step':>6} {'lr':>9} {'train':>8} {'held-out':>9}")
         bar = tqdm(total=c.steps, initial=self.step, disable=not (c.progress and self.is_main), dynamic_ncols=True, leave=False)
         if self.device.type == "cuda": torch.cuda.reset_peak_memory_stats(self.device)
