@@ -356,3 +356,14 @@ def test_zero_grad_frees_the_fp32_gradient_buffers_and_the_next_step_starts_clea
     del buffer
     accumulate_main_grad(p, g[2])                                       # next step: a fresh buffer, last step's sum gone
     assert p.main_grad.dtype == torch.float32 and torch.equal(opt.gradients()[0][1], g[2])
+
+def test_capture_staging_hands_out_disjoint_slices_and_refuses_overflow():
+    "CaptureStaging's bookkeeping (on the CPU the pinned buffer is replaced by a plain one): each table gets its own slice."
+    from rtrainer.optimizer import CaptureStaging
+    staging = CaptureStaging.__new__(CaptureStaging)
+    staging.host, staging.used = torch.full((7,), -1, dtype=torch.int64), 0
+    a = staging.take([3, 1, 4]); b = staging.take([1, 5])
+    assert a.tolist() == [3, 1, 4] and b.tolist() == [1, 5] and staging.host[:5].tolist() == [3, 1, 4, 1, 5]
+    assert a.data_ptr() != b.data_ptr()
+    with pytest.raises(RuntimeError, match="holds 7 entries, 8 are needed"): staging.take([9, 2, 6])
+    assert staging.used == 5 and staging.host[5:].tolist() == [-1, -1]
