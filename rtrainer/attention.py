@@ -10,8 +10,9 @@ __all__ = ['SUPPORTED_HEAD_DIMS', 'INTERPRET_BLOCK_M', 'INTERPRET_BLOCK_N', 'LOG
            'SDPA_BACKENDS', 'BENCHMARK_ROUNDS', 'attention_reference', 'attention_sdpa', 'flash_forward_kernel',
            'flash_backward_dkdv_kernel', 'flash_backward_dq_kernel', 'config_kwargs', 'tuned_config',
            'flash_attention_forward', 'flash_backward_dq', 'flash_backward_dkdv', 'flash_attention_backward',
-           'FlashAttentionFunction', 'flash_attention', 'fused_qkv_views', 'attention_parity_errors', 'attention_flops',
-           'benchmark_suite']
+           'FlashAttentionFunction', 'flash_attention', 'fused_qkv_views', 'attention_parity_errors',
+           'rope_attention_reference', 'RopeAttentionFunction', 'rope_attention_triton', 'rope_attention_errors',
+           'attention_flops', 'benchmark_suite']
 
 # %% ../nbs/02_attention.ipynb #63301f7a
 import math, os
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from .kernels import register_op, at_least_fp32, INTERPRETING, KERNELS_CAN_RUN, relative_error, median_ms, ratio_interval, save_results, load_results, show_results
+from .kernels import rope_apply, rope_reference, rope_triton, rope_tables
 
 # %% ../nbs/02_attention.ipynb #d990e9b7
 def attention_reference(q, k, v, causal=True):
@@ -300,8 +302,9 @@ def _output(buf, shape, like, name, dtype=None):
     "A fresh output tensor, or the caller's buffer after checking it (tests pass NaN-filled ones)."
     dtype = dtype or like.dtype
     if buf is None: return torch.empty(shape, device=like.device, dtype=dtype)
-    if tuple(buf.shape) != tuple(shape) or buf.dtype != dtype or not buf.is_contiguous():
-        raise ValueError(f"flash_attention: output {name} must be a contiguous {dtype} tensor of shape {tuple(shape)}, got {buf.dtype} {tuple(buf.shape)}")
+    if tuple(buf.shape) != tuple(shape) or buf.dtype != dtype or buf.stride(-1) != 1:   # a strided view is fine: strides go to the kernel
+        raise ValueError(f"flash_attention: output {name} must be a {dtype} tensor of shape {tuple(shape)} with unit stride in its last "
+                         f"dimension, got {buf.dtype} {tuple(buf.shape)} with strides {buf.stride()}")
     return buf
 
 def _precision(dtype): return "ieee" if dtype == torch.float32 else "tf32"
@@ -342,6 +345,8 @@ def flash_backward_dkdv(do, q, k, v, lse, delta, causal=True, dk=None, dv=None, 
     KV, sm_scale = k.shape[2], 1.0 / math.sqrt(hd)
     dk = _output(dk, (B, T, KV, hd), k, "dk")
     dv = _output(dv, (B, T, KV, hd), v, "dv")
+    if dk.stride() != dv.stride():     # the kernel writes both with dk's strides
+        raise ValueError(f"flash_attention: dk and dv must share their strides, got {dk.stride()} and {dv.stride()}")
     launch, config = _launcher("dkdv", q.dtype, hd, T, config)
     launch[lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * KV)](
         q, k, v, do, lse, delta, dk, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
@@ -406,6 +411,62 @@ def attention_parity_errors(B, T, H, KV, hd, dtype=torch.float32, causal=True, d
                 **{name: relative_error(g, r) for name, g, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads)})
 
 # %% ../nbs/02_attention.ipynb #d8190b82
+def rope_attention_reference(qkv, cos, sin, n_heads, n_kv_heads, causal=True):
+    "The 'torch' path: split the fused projection qkv (B, T, H + 2 KV, hd), rotate q and k, attend; (B, T, H, hd)."
+    q, k, v = qkv.split([n_heads, n_kv_heads, n_kv_heads], dim=2)
+    return attention_sdpa(rope_reference(q, cos, sin), rope_reference(k, cos, sin), v, causal)
+
+class RopeAttentionFunction(torch.autograd.Function):
+    "RoPE and flash attention on the fused projection; the backward writes dq, dk, dv into one gradient of qkv."
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, n_heads, n_kv_heads, causal):
+        H, KV = n_heads, n_kv_heads
+        qk = rope_apply(qkv[:, :, :H + KV], cos, sin)              # q and k rotated in one launch: (B, T, H + KV, hd)
+        o, lse = flash_attention_forward(qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + KV:], causal)
+        ctx.save_for_backward(qkv, qk, o, lse, cos, sin)
+        ctx.heads, ctx.causal = (H, KV), causal
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        qkv, qk, o, lse, cos, sin = ctx.saved_tensors
+        H, KV = ctx.heads
+        dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+        flash_attention_backward(do, qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + KV:], o, lse, ctx.causal,
+                                 dq=dqkv[:, :, :H], dk=dqkv[:, :, H:H + KV], dv=dqkv[:, :, H + KV:])
+        dqk = dqkv[:, :, :H + KV]
+        rope_apply(dqk, cos, sin, out=dqk, inverse=True)           # in place: the gradients of the unrotated q and k
+        return dqkv, None, None, None, None, None
+
+def rope_attention_triton(qkv, cos, sin, n_heads, n_kv_heads, causal=True):
+    "RoPE on q and k, then flash attention, from qkv (B, T, H + 2 KV, hd) with fp32 tables (T, hd/2); (B, T, H, hd)."
+    if qkv.dim() != 4 or qkv.shape[2] != n_heads + 2 * n_kv_heads:
+        raise ValueError(f"rope_attention: qkv must be (B, T, {n_heads} + 2 x {n_kv_heads}, hd), got {tuple(qkv.shape)}")
+    return RopeAttentionFunction.apply(qkv, cos, sin, n_heads, n_kv_heads, causal)
+
+register_op("rope_attention", "torch", rope_attention_reference)
+register_op("rope_attention", "triton", rope_attention_triton)
+
+# %% ../nbs/02_attention.ipynb #caec1909
+def rope_attention_errors(B, T, H, KV, hd, dtype=torch.float32, device="cpu"):
+    "(max relative error against float64, whether the fused op equals the ops one by one bit for bit) on random inputs."
+    qkv = torch.randn(B, T, H + 2 * KV, hd, dtype=dtype, device=device)
+    cos, sin = (t.to(device) for t in rope_tables(T, hd))
+    do = torch.randn(B, T, H, hd, dtype=dtype, device=device)
+    def run(fn, x):
+        x = x.detach().clone().requires_grad_()
+        out = fn(x)
+        return out, torch.autograd.grad(out, x, do.to(out.dtype))[0]
+    fused = run(lambda x: rope_attention_triton(x, cos, sin, H, KV), qkv)
+    def one_by_one(x):
+        q, k, v = x.split([H, KV, KV], dim=2)
+        return flash_attention(rope_triton(q, cos, sin), rope_triton(k, cos, sin), v)
+    apart = run(one_by_one, qkv)
+    ref = run(lambda x: rope_attention_reference(x, cos.double(), sin.double(), H, KV), qkv.double())
+    errors = max(relative_error(a, r) for a, r in zip(fused, ref))
+    return errors, all(torch.equal(a, b) for a, b in zip(fused, apart))
+
+# %% ../nbs/02_attention.ipynb #efa75b9f
 REFERENCE_ATTENTION_SHAPES = {  # name: (B, H, KV, T, hd)
     "rb100m": (32, 12, 4, 1024, 64), "prof183m": (32, 24, 24, 1024, 64),
     "dense1b": (16, 16, 16, 1024, 128), "moe4b": (16, 48, 48, 1024, 64)}

@@ -157,7 +157,7 @@ def flops_per_token(c: ModelConfig, seq_len):
     return 6 * matmul_parameters(c) + 12 * c.n_layers * seq_len * c.n_heads * c.head_dim
 
 # %% ../nbs/05_model.ipynb #1d803255
-OP_NAMES = ["embedding", "rms_norm", "add_rms_norm", "rope", "attention", "swiglu", "linear", "linear_cross_entropy"]
+OP_NAMES = ["embedding", "rms_norm", "add_rms_norm", "rope_attention", "swiglu", "linear", "linear_cross_entropy"]
 
 def _matrix(*shape): return nn.Parameter(torch.empty(*shape))
 def _norm(d): return nn.Parameter(torch.ones(d))
@@ -218,10 +218,8 @@ class TransformerLm(nn.Module):
         c = self.config
         B, T, _ = x.shape
         qkv = self.op["linear"](x, blk.qkv).view(B, T, c.n_heads + 2 * c.n_kv_heads, c.head_dim)
-        q, k, v = qkv.split([c.n_heads, c.n_kv_heads, c.n_kv_heads], dim=2)                 # (B, T, heads, hd)
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-        q, k = self.op["rope"](q, cos, sin), self.op["rope"](k, cos, sin)
-        o = self.op["attention"](q, k, v, causal=True)                                     # (B, T, H, hd)
+        o = self.op["rope_attention"](qkv, cos, sin, c.n_heads, c.n_kv_heads)                # q, k rotated; (B, T, H, hd)
         return self.op["linear"](o.reshape(B, T, c.n_heads * c.head_dim), blk.out)
 
     def _feed_forward(self, blk, x):

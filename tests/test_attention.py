@@ -91,3 +91,32 @@ def test_tuned_config_picks_by_head_dim_and_length():
                 c = attention.tuned_config(kernel, hd, T)
                 m, n = c["BLOCK_M"], c["BLOCK_N"]
                 assert (n % m if kernel == "dkdv" else m % n) == 0, (kernel, hd, T, c)
+
+@pytest.mark.parametrize("B,T,H,KV,hd,dtype", [(1, 17, 4, 2, 16, torch.float32), (2, 9, 2, 2, 32, torch.float32),
+                                              (1, 33, 6, 3, 64, torch.float32), (1, 17, 4, 1, 16, torch.float16)])
+def test_rope_attention_is_the_ops_one_by_one(B, T, H, KV, hd, dtype):
+    "The fused op: the output and qkv gradient of rope + flash attention + autograd's concatenation, bit for bit, and near float64."
+    from rtrainer.attention import rope_attention_errors
+    error, same = rope_attention_errors(B, T, H, KV, hd, dtype)
+    assert same and error < (1e-4 if dtype == torch.float32 else 2e-3), error
+
+def test_rope_attention_registration_and_bad_shape():
+    from rtrainer.attention import rope_attention_triton, rope_attention_reference
+    assert get_op("rope_attention", "triton") is rope_attention_triton and get_op("rope_attention", "torch") is rope_attention_reference
+    cos, sin = torch.ones(8, 8), torch.zeros(8, 8)
+    with pytest.raises(ValueError, match=r"qkv must be \(B, T, 4 \+ 2 x 2, hd\)"):
+        rope_attention_triton(torch.randn(1, 8, 7, 16), cos, sin, 4, 2)
+
+def test_backward_writes_into_strided_views_and_checks_them():
+    "dq, dk, dv may be slices of one buffer (unit stride in the last dim); dk and dv must share strides."
+    from rtrainer.attention import flash_attention_forward, flash_attention_backward, flash_backward_dkdv
+    B, T, H, KV, hd = 1, 9, 4, 2, 16
+    q, k, v = fused_qkv_views(B, T, H, KV, hd)
+    do = torch.randn(B, T, H, hd)
+    o, lse = flash_attention_forward(q, k, v)
+    expected = flash_attention_backward(do, q, k, v, o, lse)
+    buf = torch.full((B, T, H + 2 * KV, hd), float("nan"))
+    got = flash_attention_backward(do, q, k, v, o, lse, dq=buf[:, :, :H], dk=buf[:, :, H:H + KV], dv=buf[:, :, H + KV:])
+    assert all(torch.equal(a, b) for a, b in zip(got, expected)) and buf.isfinite().all()
+    with pytest.raises(ValueError, match="dk and dv must share their strides"):
+        flash_attention_backward(do, q, k, v, o, lse, dk=buf[:, :, H:H + KV], dv=torch.empty(B, T, KV, hd))
