@@ -357,18 +357,24 @@ class Trainer:
         if self.model_config.n_experts: row.update(load_balance_loss=stats[1], **moe)
         return row
 
-    def eager_step(self, step, lr, lbw):
-        "The step as Python runs it: ((lm loss, lb loss), gradient norm, MoE statistics), all device tensors."
-        c, opt = self.cfg, self.optimizer
-        opt.zero_grad()
+    def accumulate(self, batches, lbw):
+        """Gradients of a step's micro-batches `batches` ((inputs, targets, mask) each) from zero: ((lm loss, lb loss),
+        gradient norm, clip scale), device tensors. The scale is NaN when the loss or the norm is not finite."""
+        c = self.cfg
+        self.optimizer.zero_grad()
         lm_total = torch.zeros((), device=self.device); lb_total = torch.zeros((), device=self.device)
-        for inputs, targets, mask in self.micro_batches(step):
+        for inputs, targets, mask in batches:
             lm, lb = self.forward_backward(inputs, targets, mask, lbw)
             lm_total += lm.float(); lb_total += lb.float()
-        norm = opt.grad_norm() / c.accumulation
+        norm = self.optimizer.grad_norm() / c.accumulation
         stats = self.reduce_mean(torch.stack([lm_total / c.accumulation, lb_total / c.accumulation]))
+        return stats, norm, clip_scale(norm, c.clip, c.accumulation, also_finite=[stats[0]])
+
+    def eager_step(self, step, lr, lbw):
+        "The step as Python runs it: ((lm loss, lb loss), gradient norm, MoE statistics), all device tensors."
+        stats, norm, scale = self.accumulate(self.micro_batches(step), lbw)
         self.check_step()                      # the previous step's verdict, read while the GPU works on this one
-        opt.step(lr, grad_scale=clip_scale(norm, c.clip, c.accumulation, also_finite=[stats[0]]))   # NaN: skipped
+        self.optimizer.step(lr, grad_scale=scale)   # NaN: skipped
         return stats, norm, self.moe_step_stats()
 
     def moe_step_stats(self):
@@ -500,17 +506,11 @@ class CapturedStep:
 
     def body(self):
         "One step on the fixed buffers: ((lm loss, lb loss), gradient norm, MoE statistics), all device tensors."
-        t = self.trainer
-        c, opt = t.cfg, t.optimizer
-        opt.zero_grad()                  # as the eager step: the fp32 buffers and `.grad` come back in the backward
-        lm_total = torch.zeros((), device=t.device); lb_total = torch.zeros((), device=t.device)
-        for i in range(c.accumulation):                       # micro-batches: views of the fixed input tensors
-            s = slice(i * c.batch_size, (i + 1) * c.batch_size)
-            lm, lb = t.forward_backward(self.inputs[s], self.targets[s], None, self.lb_weight)
-            lm_total += lm.float(); lb_total += lb.float()
-        norm = opt.grad_norm() / c.accumulation
-        stats = torch.stack([lm_total / c.accumulation, lb_total / c.accumulation])
-        opt.apply_step(grad_scale=clip_scale(norm, c.clip, c.accumulation, also_finite=[stats[0]]))   # NaN: skipped
+        t, B = self.trainer, self.trainer.cfg.batch_size
+        views = ((self.inputs[i * B:(i + 1) * B], self.targets[i * B:(i + 1) * B], None)   # micro-batches: views of the
+                 for i in range(t.cfg.accumulation))                                     # fixed input tensors
+        stats, norm, scale = t.accumulate(views, self.lb_weight)   # as the eager step: gradients come back in the backward
+        t.optimizer.apply_step(grad_scale=scale)                   # NaN: skipped
         return stats, norm, t.moe_step_stats()
 
     def __call__(self, step, lr, lbw):
@@ -560,7 +560,7 @@ class CapturedStep:
         # The tables built in the capture (the gradients' new addresses) are filled by each replay's copy from `staging`:
         # out of the cache, so no eager step reads them. The graph holds them, the staging and the tables it reused.
         built = [om._device_tables.pop(k) for k in list(om._device_tables) if k not in before]
-        self.tables = (staging, built, list(before.values()) + list(om._device_tables.values()) + list(om._device_plans.values()))
+        self.tables = (staging, built, before, dict(om._device_plans))
 
 # %% ../nbs/06_training.ipynb #c0a401fb
 SHAPE_OVERRIDES = {"vocab_size": int, "d_model": int, "n_layers": int, "n_heads": int, "n_kv_heads": int, "head_dim": int,

@@ -12,8 +12,8 @@ and norm one step late. Measured again at commit fbe2962 (3 rounds): trainer 570
 ROUNDS rounds, WARMUP steps and then STEPS timed ones:
 
   trainer           Trainer.train_step as it is
-  no-sync           the same device work without the read: the gradient norm is computed but not read, the update
-                    runs at the clip coefficient 1, and the losses are read after the timed window. An upper bound on
+  no-sync           the same device work without the read: the gradient norm and clip scale are computed but not
+                    read, and the losses are read after the timed window. An upper bound on
                     what a device-side guard (skip the update on a non-finite step, check one step late) would buy.
   trainer-gc-off    the trainer with Python's garbage collector off over the timed steps (gc.collect() first)
   no-sync-gc-off    both
@@ -34,17 +34,11 @@ def child(spec):
     no_sync = spec["arm"].startswith("no-sync")
 
     def step_without_sync(i):
-        c, opt = trainer.cfg, trainer.optimizer
-        lr = trainer.lr_at(i)
+        c = trainer.cfg
         lbw = load_balance_weight(i, c.load_balance_weight, c.load_balance_decay_steps)
-        opt.zero_grad()
-        lm_total = torch.zeros((), device=device)
-        for inputs, targets, mask in trainer.micro_batches(i):
-            lm, _ = trainer.forward_backward(inputs, targets, mask, lbw)
-            lm_total += lm.float()
-        norm = opt.grad_norm()                    # the same device work as the trainer's step, never read here
-        opt.step(lr, grad_scale=1.0 / c.accumulation)
-        return lm_total / c.accumulation, norm
+        stats, norm, scale = trainer.accumulate(trainer.micro_batches(i), lbw)   # the trainer's device work,
+        trainer.optimizer.step(trainer.lr_at(i), grad_scale=scale)              # its loss and norm never read
+        return stats[0], norm
 
     losses = []
     def step(i):
