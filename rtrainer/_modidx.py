@@ -772,5 +772,6 @@ d = { 'settings': { 'branch': 'main',
                                    'rtrainer.training.run_train': ('training.html#run_train', 'rtrainer/training.py'),
                                    'rtrainer.training.save_checkpoint': ('training.html#save_checkpoint', 'rtrainer/training.py'),
                                    'rtrainer.training.setting': ('training.html#setting', 'rtrainer/training.py'),
+                                   'rtrainer.training.side_stream': ('training.html#side_stream', 'rtrainer/training.py'),
                                    'rtrainer.training.train_config_from_args': ( 'training.html#train_config_from_args',
                                                                                  'rtrainer/training.py')}}}
