@@ -11,7 +11,7 @@ __all__ = ['MULTICAST_OFF', 'DIST_TIMEOUT_S', 'DATA_PARALLEL', 'DDP_BUCKET_BYTES
            'ShardedAdamW', 'use_autograd_weight_grads', 'DistributedTrainer', 'checkpoint_metadata',
            'resolve_distributed_checkpoint', 'read_distributed_checkpoint', 'prune_distributed_checkpoints',
            'export_checkpoint', 'add_distributed_arguments', 'wait_for_bundled_data', 'run_distributed_train', 'main',
-           'engine_rows', 'benchmark_suite']
+           'engine_rows', 'benchmark_suite', 'scaling_rows', 'scaling_suite']
 
 # %% ../nbs/08_distributed.ipynb #f09253a6
 import argparse, dataclasses, datetime, json, math, os, shutil, signal, subprocess, sys, tempfile, time, warnings
@@ -540,4 +540,58 @@ def benchmark_suite(model="dense1b", batch_size=16, seq_len=1024, steps=16, roun
     rows = engine_rows(arms, runs)
     if save: save_results("distributed", rows, model=model, batch_size=batch_size, seq_len=seq_len, steps=steps, impl=impl,
                           rounds=rounds, method="each arm its own process, alternated by round; tokens/s over the second half of the steps")
+    return rows
+
+# %% ../nbs/08_distributed.ipynb #96cdba6f
+def scaling_rows(world_sizes, runs):
+    """Table rows from per-round runs {N: [{tokens_per_s (all ranks), mfu, peak_memory_gib}]}: tokens/s in all and per
+    GPU, and the scaling efficiency (tokens/s per GPU at N over that at the smallest N), paired by round, 95% interval."""
+    from rtrainer.profiling import summarize_pairs
+    arms, base = [str(n) for n in world_sizes], str(min(world_sizes))
+    per_gpu = {str(n): [dict(r, tokens_per_s=r["tokens_per_s"] / n) if r.get("tokens_per_s") else r for r in runs[n]]
+               for n in world_sizes}
+    inverse = lambda v: None if v is None else round(1 / v, 4)
+    rows = []
+    for n, s in zip(world_sizes, summarize_pairs(arms, per_gpu, base)):   # ratios base/N per GPU; efficiency is their inverse
+        if "tokens_per_s" not in s: rows.append(dict(world_size=n, status=s.get("status", "failed"))); continue
+        paired = f"{base}/arm" in s
+        rows.append(dict(world_size=n, tokens_per_s=round(s["tokens_per_s"] * n), tokens_per_s_per_gpu=round(s["tokens_per_s"]),
+                         sd_per_gpu=round(s["tokens_per_s_sd"]), mfu=s.get("mfu"), peak_memory_gib=s.get("peak_memory_gib"),
+                         efficiency=inverse(s[f"{base}/arm"]) if paired else 1.0,
+                         low=inverse(s["ci95_high"]) if paired else None, high=inverse(s["ci95_low"]) if paired else None,
+                         rounds=s["rounds"]))
+    return rows
+
+def scaling_suite(model="dense1b", world_sizes=None, batch_size=None, seq_len=1024, steps=16, rounds=2, engine="fsdp",
+                  impl="auto", device="cuda", save=True, timeout=1800):
+    """Weak scaling of `model` under `engine` (fsdp or ddp): `batch_size` sequences per GPU (default: the configuration's
+    reference batch, else 8) at each of `world_sizes` (default: 1, 2, 4, 8 up to the GPUs present), every run its own
+    torchrun, alternated round by round; tokens/s over the second half of the steps. Saves results 'scaling_MODEL_ENGINE'."""
+    from rtrainer.kernels import save_results, alternation
+    from rtrainer.model import REFERENCE_BATCH
+    if engine not in DATA_PARALLEL: raise ValueError(f"scaling_suite: engine must be one of {', '.join(DATA_PARALLEL)}, got {engine!r}")
+    if device == "cuda":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus == 0: raise ValueError("scaling_suite needs CUDA GPUs (device='cpu' runs gloo ranks instead)")
+        world_sizes = world_sizes or [n for n in (1, 2, 4, 8) if n <= gpus]
+        if max(world_sizes) > gpus: raise ValueError(f"scaling_suite: world size {max(world_sizes)} needs as many GPUs; this machine has {gpus}")
+    world_sizes = sorted(set(world_sizes or [1, 2]))
+    if world_sizes[0] < 1: raise ValueError(f"scaling_suite: world sizes must be at least 1, got {world_sizes}")
+    batch_size = batch_size or REFERENCE_BATCH.get(model, 8)
+    work = Path(tempfile.mkdtemp(prefix="rtrainer-scaling-"))
+    flags = [model, "--data", "synthetic", "--batch-size", str(batch_size), "--seq-len", str(seq_len), "--steps", str(steps),
+             "--log-every", "1", "--eval-every", "0", "--no-progress", "--no-checkpoints", "--impl", impl, "--device", device,
+             "--dp", engine]
+    runs = {n: [] for n in world_sizes}
+    for r in range(rounds):
+        for n in alternation(world_sizes, r):
+            out = work / f"n{n}-{r}"
+            cmd = torchrun_command(n, ["train", *flags, "--out-dir", str(out)], module="rtrainer.distributed")
+            runs[n].append(_train_arm(cmd, out, steps // 2, batch_size * seq_len * n, timeout))
+            print(f"round {r + 1}/{rounds} {ENGINE_LABELS[engine]} on {n}: {runs[n][-1]['tokens_per_s']:,.0f} tokens/s "
+                  f"({runs[n][-1]['tokens_per_s'] / n:,.0f} per rank)", flush=True)
+    rows = scaling_rows(world_sizes, runs)
+    if save: save_results(f"scaling_{model}_{engine}", rows, model=model, engine=engine, batch_size_per_gpu=batch_size, seq_len=seq_len,
+                          steps=steps, impl=impl, rounds=rounds, method="weak scaling: each world size its own torchrun, "
+                          "alternated by round; tokens/s over the second half of the steps; efficiency paired by round")
     return rows
