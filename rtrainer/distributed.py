@@ -11,7 +11,8 @@ __all__ = ['MULTICAST_OFF', 'DIST_TIMEOUT_S', 'DATA_PARALLEL', 'DDP_BUCKET_BYTES
            'ShardedAdamW', 'use_autograd_weight_grads', 'DistributedTrainer', 'checkpoint_metadata',
            'resolve_distributed_checkpoint', 'read_distributed_checkpoint', 'prune_distributed_checkpoints',
            'export_checkpoint', 'add_distributed_arguments', 'wait_for_bundled_data', 'run_distributed_train', 'main',
-           'engine_rows', 'benchmark_suite', 'scaling_rows', 'scaling_suite']
+           'throughput_flags', 'fraction_of_reference', 'engine_rows', 'benchmark_suite', 'scaling_rows',
+           'scaling_suite']
 
 # %% ../nbs/08_distributed.ipynb #f09253a6
 import argparse, dataclasses, datetime, json, math, os, shutil, signal, subprocess, sys, tempfile, time, warnings
@@ -505,16 +506,26 @@ def _train_arm(cmd, out_dir, warmup, tokens_per_step, timeout=1800):
     return dict(tokens_per_s=tps, mfu=sum(mfus) / len(mfus) if mfus else None,
                 peak_memory_gib=max((r.get("peak_memory_gib") or 0) for r in timed) or None)
 
+def throughput_flags(model, batch_size, seq_len, steps, impl):
+    "`rtrainer train` flags of a throughput run: synthetic tokens, every step logged, no evaluation, progress bar or checkpoint."
+    return [model, "--data", "synthetic", "--batch-size", str(batch_size), "--seq-len", str(seq_len), "--steps", str(steps),
+            "--log-every", "1", "--eval-every", "0", "--no-progress", "--no-checkpoints", "--impl", impl]
+
+def fraction_of_reference(row, reference):
+    """(fraction, low, high): a `summarize_pairs` row's reference/arm ratio and 95% bounds turned into the arm's speed as
+    a fraction of the reference's; (1.0, None, None) for the reference itself or an unpaired arm."""
+    if f"{reference}/arm" not in row: return 1.0, None, None
+    inverse = lambda v: None if v is None else round(1 / v, 4)
+    return inverse(row[f"{reference}/arm"]), inverse(row["ci95_high"]), inverse(row["ci95_low"])
+
 def engine_rows(arms, runs):
     "Table rows from per-round runs {arm: [{tokens_per_s, mfu, peak_memory_gib}]}: each engine's tokens/s as a fraction of plain's, paired by round, with its 95% interval."
     from rtrainer.profiling import summarize_pairs
-    inverse = lambda v: None if v is None else round(1 / v, 4)
     rows = []
-    for s in summarize_pairs(arms, runs, "plain"):      # ratios plain/arm; of_plain is their inverse, and so are the bounds
-        paired = "plain/arm" in s
+    for s in summarize_pairs(arms, runs, "plain"):
+        of_plain, low, high = fraction_of_reference(s, "plain")
         rows.append(dict(engine=ENGINE_LABELS[s["arm"]], world_size=1, tokens_per_s=round(s["tokens_per_s"]), sd=round(s["tokens_per_s_sd"]),
-                         mfu=s.get("mfu"), peak_memory_gib=s.get("peak_memory_gib"), of_plain=inverse(s["plain/arm"]) if paired else 1.0,
-                         low=inverse(s["ci95_high"]) if paired else None, high=inverse(s["ci95_low"]) if paired else None, rounds=s["rounds"]))
+                         mfu=s.get("mfu"), peak_memory_gib=s.get("peak_memory_gib"), of_plain=of_plain, low=low, high=high, rounds=s["rounds"]))
     return rows
 
 def benchmark_suite(model="dense1b", batch_size=16, seq_len=1024, steps=16, rounds=3, engines=("fsdp",), impl="torch", save=True):
@@ -526,8 +537,7 @@ def benchmark_suite(model="dense1b", batch_size=16, seq_len=1024, steps=16, roun
     if unknown: raise ValueError(f"benchmark_suite: unknown engines {unknown}; choose from {', '.join(DATA_PARALLEL)}")
     from rtrainer.kernels import save_results, alternation
     work = Path(tempfile.mkdtemp())
-    flags = [model, "--data", "synthetic", "--batch-size", str(batch_size), "--seq-len", str(seq_len), "--steps", str(steps),
-             "--log-every", "1", "--eval-every", "0", "--no-progress", "--no-checkpoints", "--impl", impl]
+    flags = throughput_flags(model, batch_size, seq_len, steps, impl)
     arms = ["plain", *engines]
     runs = {arm: [] for arm in arms}
     for r in range(rounds):
@@ -550,16 +560,13 @@ def scaling_rows(world_sizes, runs):
     arms, base = [str(n) for n in world_sizes], str(min(world_sizes))
     per_gpu = {str(n): [dict(r, tokens_per_s=r["tokens_per_s"] / n) if r.get("tokens_per_s") else r for r in runs[n]]
                for n in world_sizes}
-    inverse = lambda v: None if v is None else round(1 / v, 4)
     rows = []
-    for n, s in zip(world_sizes, summarize_pairs(arms, per_gpu, base)):   # ratios base/N per GPU; efficiency is their inverse
+    for n, s in zip(world_sizes, summarize_pairs(arms, per_gpu, base)):
         if "tokens_per_s" not in s: rows.append(dict(world_size=n, status=s.get("status", "failed"))); continue
-        paired = f"{base}/arm" in s
+        efficiency, low, high = fraction_of_reference(s, base)
         rows.append(dict(world_size=n, tokens_per_s=round(s["tokens_per_s"] * n), tokens_per_s_per_gpu=round(s["tokens_per_s"]),
                          sd_per_gpu=round(s["tokens_per_s_sd"]), mfu=s.get("mfu"), peak_memory_gib=s.get("peak_memory_gib"),
-                         efficiency=inverse(s[f"{base}/arm"]) if paired else 1.0,
-                         low=inverse(s["ci95_high"]) if paired else None, high=inverse(s["ci95_low"]) if paired else None,
-                         rounds=s["rounds"]))
+                         efficiency=efficiency, low=low, high=high, rounds=s["rounds"]))
     return rows
 
 def scaling_suite(model="dense1b", world_sizes=None, batch_size=None, seq_len=1024, steps=16, rounds=2, engine="fsdp",
@@ -579,9 +586,7 @@ def scaling_suite(model="dense1b", world_sizes=None, batch_size=None, seq_len=10
     if world_sizes[0] < 1: raise ValueError(f"scaling_suite: world sizes must be at least 1, got {world_sizes}")
     batch_size = batch_size or REFERENCE_BATCH.get(model, 8)
     work = Path(tempfile.mkdtemp(prefix="rtrainer-scaling-"))
-    flags = [model, "--data", "synthetic", "--batch-size", str(batch_size), "--seq-len", str(seq_len), "--steps", str(steps),
-             "--log-every", "1", "--eval-every", "0", "--no-progress", "--no-checkpoints", "--impl", impl, "--device", device,
-             "--dp", engine]
+    flags = throughput_flags(model, batch_size, seq_len, steps, impl) + ["--device", device, "--dp", engine]
     runs = {n: [] for n in world_sizes}
     for r in range(rounds):
         for n in alternation(world_sizes, r):
