@@ -170,7 +170,8 @@ class DistributedTrainer(Trainer):
     "The Trainer on torch.distributed: FSDP2 (default) or DDP over the ranks torchrun started."
     def __init__(self, config: TrainConfig, model_config: ModelConfig, dp="fsdp", log=print):
         if dp not in DATA_PARALLEL: raise ValueError(f"--dp must be one of {DATA_PARALLEL}, got {dp!r}")
-        if config.cuda_graph: raise ValueError("--cuda-graph runs in one process: leave it out with --nproc or --dp")
+        if config.cuda_graph == "on": raise ValueError("--cuda-graph runs in one process: leave it out with --nproc or --dp")
+        config = dataclasses.replace(config, cuda_graph="off")   # the default ("auto") takes eager steps here
         self.dp, self.sync_gradients, self._sample_text, self.replicated = dp, True, None, []
         self.rank, self.world_size, device = init_distributed(config.device)
         self.group = dist.group.WORLD
@@ -507,9 +508,10 @@ def _train_arm(cmd, out_dir, warmup, tokens_per_step, timeout=1800):
                 peak_memory_gib=max((r.get("peak_memory_gib") or 0) for r in timed) or None)
 
 def throughput_flags(model, batch_size, seq_len, steps, impl):
-    "`rtrainer train` flags of a throughput run: synthetic tokens, every step logged, no evaluation, progress bar or checkpoint."
+    """`rtrainer train` flags of a throughput run: synthetic tokens, every step logged, no evaluation, progress bar,
+    checkpoint or CUDA graph (the distributed trainer takes eager steps, so the one-process arm does too)."""
     return [model, "--data", "synthetic", "--batch-size", str(batch_size), "--seq-len", str(seq_len), "--steps", str(steps),
-            "--log-every", "1", "--eval-every", "0", "--no-progress", "--no-checkpoints", "--impl", impl]
+            "--log-every", "1", "--eval-every", "0", "--no-progress", "--no-checkpoints", "--impl", impl, "--no-cuda-graph"]
 
 def fraction_of_reference(row, reference):
     """(fraction, low, high): a `summarize_pairs` row's reference/arm ratio and 95% bounds turned into the arm's speed as

@@ -192,7 +192,8 @@ def profile_trainer(config="tiny", batch_size=None, seq_len=None, impl="auto", d
     mcfg = model_config(config, impl=impl, **overrides)
     if mcfg.max_seq_len < seq_len: mcfg = model_config(config, impl=impl, max_seq_len=seq_len, **overrides)
     tcfg = TrainConfig(model=config, data="synthetic", batch_size=batch_size, seq_len=seq_len, steps=10**6, lr=3e-4,
-                       warmup=0, eval_every=0, progress=False, device=device, out_dir=tempfile.mkdtemp(prefix="rtrainer-profile-"))
+                       warmup=0, eval_every=0, progress=False, device=device, out_dir=tempfile.mkdtemp(prefix="rtrainer-profile-"),
+                       cuda_graph="off")   # the profiler times the eager step's kernels and phases
     return ProfilingTrainer(tcfg, mcfg, log=lambda *a: None)
 
 def profile_table(report, top=40):
@@ -539,7 +540,7 @@ def _sync(device):
 def _rtrainer_arm(spec, mcfg, device):
     tcfg = TrainConfig(model=spec["config"], data="synthetic", batch_size=spec["batch_size"], seq_len=spec["seq_len"],
                        steps=10**6, lr=spec.get("lr", 3e-4), warmup=0, eval_every=0, progress=False, device=str(device),
-                       out_dir=tempfile.mkdtemp(prefix="rtrainer-arm-"), cuda_graph=spec["arm"] == "rtrainer-graph")
+                       out_dir=tempfile.mkdtemp(prefix="rtrainer-arm-"), cuda_graph="on" if spec["arm"] == "rtrainer-graph" else "off")
     trainer = Trainer(tcfg, mcfg, log=lambda *a: None)
     losses = []
     def step(i): losses.append(trainer.train_step(i)["loss"])
@@ -786,7 +787,7 @@ def add_versus_arguments(p):
     p.add_argument("--peak-tflops", type=float, default=None, help="MFU denominator (default: the datasheet entry)")
     p.add_argument("--timeout", type=int, default=None, help="seconds per arm")
     p.add_argument("--no-save", action="store_true", help="do not write data/results/versus_CONFIG.json")
-    p.add_argument("--cuda-graph", action="store_true", help="also run the trainer with --cuda-graph, as the arm the others are compared to")
+    p.add_argument("--cuda-graph", action="store_true", help="also run the trainer with its step as one CUDA graph (`rtrainer train`'s default on a GPU), as the arm the others are compared to; the `rtrainer` arm takes eager steps")
 
 def run_versus(args):
     "`rtrainer versus`"

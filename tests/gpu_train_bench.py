@@ -16,7 +16,7 @@ def run_arm(config, batch, impl, steps, seq_len, extra, data="synthetic"):
     out = Path(tempfile.mkdtemp(prefix=f"arm-{config}-{impl}-"))
     cmd = [sys.executable, "-m", "rtrainer", "train", config, "--data", data, "--impl", impl, "--batch-size", str(batch),
            "--seq-len", str(seq_len), "--steps", str(steps), "--log-every", "1", "--eval-every", "0",
-           "--out-dir", str(out), "--no-progress", "--no-checkpoints", *extra]
+           "--out-dir", str(out), "--no-progress", "--no-checkpoints", "--no-cuda-graph", *extra]
     t0 = time.time()
     r = subprocess.run(cmd, capture_output=True, text=True)
     row = dict(config=config, batch=batch, impl=impl, wall_s=round(time.time() - t0, 1))

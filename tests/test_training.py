@@ -217,3 +217,12 @@ def test_every_train_flag_explains_itself(capsys):
     for f in fields:
         if f.name in ("model", "betas"): continue
         assert f.metadata["help"][:30].replace("- ", "-") in text, f.name
+
+def test_cuda_graph_flags(tmp_path):
+    "No flag: the graph wherever it applies (auto); --cuda-graph insists (on); --no-cuda-graph gives eager steps (off)."
+    import argparse
+    from rtrainer.training import add_train_arguments, train_config_from_args
+    p = argparse.ArgumentParser(); add_train_arguments(p)
+    modes = [train_config_from_args(p.parse_args(argv)).cuda_graph for argv in ([], ["--cuda-graph"], ["--no-cuda-graph"])]
+    assert modes == ["auto", "on", "off"]
+    assert cli("train", "--data", "synthetic", "--device", "cpu", "--cuda-graph", "--no-progress", "--out-dir", tmp_path) == 2   # refused on a CPU

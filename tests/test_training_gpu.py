@@ -6,10 +6,11 @@ from rtrainer.training import Trainer, TrainConfig, NonFiniteLoss, resolved
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-def gpu_trainer(tmp_path, config="tiny", **kw):
+def gpu_trainer(tmp_path, config="tiny", log=lambda *a: None, **kw):
+    "A quiet trainer on the GPU; eager steps unless `cuda_graph` says otherwise."
     base = dict(model=config, data="synthetic", steps=6, batch_size=4, seq_len=128, warmup=1, eval_every=0,
-                out_dir=str(tmp_path / "run"), progress=False, device="cuda")
-    return Trainer(TrainConfig(**{**base, **kw}), model_config(config), log=lambda *a: None)
+                out_dir=str(tmp_path / "run"), progress=False, device="cuda", cuda_graph="off")
+    return Trainer(TrainConfig(**{**base, **kw}), model_config(config), log=log)
 
 @pytest.mark.parametrize("config", ["tiny", "tiny_moe"])
 def test_step_body_never_waits_for_the_gpu(tmp_path, config):
@@ -76,6 +77,37 @@ def test_cuda_graph_skips_a_non_finite_step(tmp_path):
 def test_cuda_graph_refusals(tmp_path):
     with pytest.raises(ValueError, match="needs the Triton kernels"):
         Trainer(TrainConfig(data="synthetic", device="cuda", cuda_graph=True, out_dir=str(tmp_path)), model_config("tiny", impl="torch"))
+
+def test_cuda_graph_is_the_default_where_it_applies(tmp_path):
+    "No flag: the graph on a GPU with the Triton kernels; eager steps with the PyTorch ones, with --sft, or with --no-cuda-graph."
+    config = lambda **kw: TrainConfig(**{**dict(data="synthetic", device="cuda", out_dir=str(tmp_path)), **kw})
+    t = Trainer(config(), model_config("tiny"), log=lambda *a: None)
+    assert t.captured is not None and t.captured.capture and t.captured.fallback
+    assert Trainer(config(), model_config("tiny", impl="torch"), log=lambda *a: None).captured is None
+    assert Trainer(config(cuda_graph="off"), model_config("tiny"), log=lambda *a: None).captured is None
+    sft = tmp_path / "pairs.jsonl"
+    sft.write_text('{"prompt": "a b", "response": "c d"}\n' * 4)
+    assert Trainer(config(sft=str(sft), batch_size=2), model_config("tiny"), log=lambda *a: None).captured is None
+
+@pytest.mark.parametrize("mode", ["auto", "on"])
+def test_a_failed_capture_falls_back_to_eager_steps_by_default(tmp_path, mode):
+    """A step that reads a value on the host cannot be captured. By default the run says so and goes on with eager
+    steps whose losses are the eager run's; with --cuda-graph ("on") the run stops with the reason."""
+    def host_read(module, args):
+        if torch.cuda.is_current_stream_capturing(): args[0].sum().item()   # not allowed while capturing
+    losses, logs = {}, []
+    for arm in ("off", mode):
+        t = gpu_trainer(tmp_path / arm, steps=8, cuda_graph=arm, log=logs.append)
+        t.model.register_forward_pre_hook(host_read)
+        if arm == "on":
+            with pytest.raises(RuntimeError, match="could not be captured.*--no-cuda-graph"):
+                for i in range(8): t.train_step(i)
+            return
+        losses[arm] = [resolved(t.train_step(i))["loss"] for i in range(8)]
+    print(logs, losses)
+    assert t.captured.graph is None and not t.captured.capture
+    assert any("could not be captured" in line and "eager steps" in line for line in logs)
+    assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(losses["off"], losses["auto"]))
 
 def test_cuda_graph_allocates_gradients_in_the_backward(tmp_path):
     """The captured step frees the fp32 gradient buffers at its start and allocates them in the backward, as the eager step
