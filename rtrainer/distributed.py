@@ -173,6 +173,7 @@ class DistributedTrainer(Trainer):
         if config.cuda_graph == "on": raise ValueError("--cuda-graph runs in one process: leave it out with --nproc or --dp")
         config = dataclasses.replace(config, cuda_graph="off")   # the default ("auto") takes eager steps here
         self.dp, self.sync_gradients, self._sample_text, self.replicated = dp, True, None, []
+        self.in_flight = {}   # DDP: id(parameter) -> (its all-reduce started in the backward, whether it had a gradient)
         self.rank, self.world_size, device = init_distributed(config.device)
         self.group = dist.group.WORLD
         start = dataclasses.replace(config, device=str(device), resume="", init_from="")
@@ -202,7 +203,28 @@ class DistributedTrainer(Trainer):
         else:
             with torch.no_grad():
                 for p in model.parameters(): dist.broadcast(p.data, src=0, group=self.group)   # one set of initial weights
+            for blk in model.blocks: blk.register_forward_pre_hook(self.watch_block)
         return model
+
+    def watch_block(self, block, args):
+        """DDP, before each block's forward on a step's last micro-batch: once the gradient of the block's input is
+        complete, so is every gradient of the block, and their all-reduce starts while the backward goes on."""
+        x = args[0]
+        if self.sync_gradients and torch.is_grad_enabled() and x.requires_grad:
+            def reduce(grad): self.start_block_reduction(block)   # returns None: the gradient passes unchanged
+            x.register_hook(reduce)
+
+    @torch.no_grad()
+    def start_block_reduction(self, block):
+        """Start summing each of `block`'s gradients over the ranks, in place in its fp32 `main_grad` (autograd's `.grad`
+        folded in and cleared; zero where it has none). Every rank starts the same all-reduces in the same order."""
+        for p in block.parameters():
+            g = gradient_fp32(p)
+            buf, _ = main_grad_for_write(p)
+            if g is None: buf.zero_()
+            elif g is not buf: buf.copy_(g)
+            p.grad = None; mark_main_grad_written(p)
+            self.in_flight[id(p)] = (dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True), g is not None)
 
     def micro_batches(self, step):
         "The trainer's micro-batches, noting which one is last (only its backward reduces gradients)."
@@ -225,13 +247,22 @@ class DistributedTrainer(Trainer):
 
     @torch.no_grad()
     def all_reduce_gradients(self, bucket_bytes=DDP_BUCKET_BYTES):
-        """DDP: average every parameter's gradient over the ranks into its fp32 `main_grad` (autograd's `.grad` folded
-        in and cleared), in flat fp32 buckets; parameters without a gradient on any rank stay without one."""
-        params = self.optimizer.params
-        local = [gradient_fp32(p) for p in params]
-        present = torch.tensor([float(g is not None) for g in local], device=self.device)
+        """DDP, after the step's last backward: average every parameter's gradient over the ranks into its fp32
+        `main_grad` (autograd's `.grad` folded in and cleared). The blocks' sums were started in the backward; the rest
+        (embedding, final norm, classifier) go in flat fp32 buckets now. Parameters without a gradient on any rank
+        stay without one."""
+        params, started, self.in_flight = self.optimizer.params, self.in_flight, {}
+        for work, _ in started.values(): work.wait()
+        local = [None if id(p) in started else gradient_fp32(p) for p in params]
+        present = torch.tensor([float(started[id(p)][1] if id(p) in started else g is not None) for p, g in zip(params, local)],
+                               device=self.device)
         dist.all_reduce(present, op=dist.ReduceOp.MAX, group=self.group)    # which parameters have a gradient somewhere
-        todo = [i for i, flag in enumerate(present.tolist()) if flag]
+        flags = present.tolist()
+        summed = [p.main_grad for p, flag in zip(params, flags) if id(p) in started and flag]
+        if summed: torch._foreach_div_(summed, self.world_size)
+        for p, flag in zip(params, flags):
+            if id(p) in started and not flag: p.main_grad_written = False   # no rank had one: skipped, as in one process
+        todo = [i for i, flag in enumerate(flags) if flag and id(params[i]) not in started]
         limit = max(1, bucket_bytes // 4)
         while todo:
             bucket, size = [], 0

@@ -138,3 +138,27 @@ def test_launch_command():
     env = worker_environment({"PATH": "/bin"})
     assert env["NCCL_NVLS_ENABLE"] == "0" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1" and env["NVSHMEM_DISABLE_NVLS"] == "1"
     with pytest.raises(ValueError): torchrun_command(0, [])
+
+def test_ddp_starts_each_blocks_all_reduce_in_the_backward(tmp_path):
+    """DDP: on a step's last micro-batch a hook starts each block's all-reduce in the backward, last block first, and
+    on the other micro-batches none; nothing is left in flight after the step, whose gradient is the one process's."""
+    import torch.distributed as dist
+    from rtrainer.distributed import DistributedTrainer
+    from rtrainer.model import model_config
+    from rtrainer.training import TrainConfig, Trainer, resolved
+    cfg = TrainConfig(data="synthetic", steps=2, batch_size=2, seq_len=16, accumulation=2, eval_every=0, progress=False,
+                      device="cpu", out_dir=str(tmp_path), checkpoints=False)
+    plain = Trainer(cfg, model_config("tiny", vocab_size=512), log=lambda *a: None)
+    expected = resolved(plain.train_step(0))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        t = DistributedTrainer(cfg, model_config("tiny", vocab_size=512), dp="ddp", log=lambda *a: None)
+        started, start = [], t.start_block_reduction
+        t.start_block_reduction = lambda block: (started.append((t.sync_gradients, list(t.model.blocks).index(block))), start(block))
+        row = resolved(t.train_step(0))
+    finally: dist.destroy_process_group()
+    n = len(t.model.blocks)
+    assert started == [(True, i) for i in reversed(range(n))], started
+    assert t.in_flight == {}
+    assert abs(row["loss"] - expected["loss"]) <= 1e-6 * expected["loss"], (row, expected)
+    assert abs(row["grad_norm"] - expected["grad_norm"]) <= 1e-5 * expected["grad_norm"], (row, expected)
