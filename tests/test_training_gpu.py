@@ -134,3 +134,22 @@ def test_cuda_graph_allocates_gradients_in_the_backward(tmp_path):
     print("at a forward's start", mib(at_forward), "peak", mib(peaks), "outlives", mib(outlives), f"fp32 gradients {fp32_bytes / 2**20:.1f} MiB")
     assert at_forward["graph"] <= at_forward["eager"] + fp32_bytes / 4
     assert outlives["graph"] <= 2**20
+
+def test_default_run_evaluates_checkpoints_and_resumes(tmp_path):
+    """A run as `rtrainer train` makes it on a GPU (the CUDA graph by default), with held-out evaluations, samples and
+    checkpoints between replays, agrees with the eager run; resumed from its step-5 checkpoint it ends where it did."""
+    from rtrainer.tokenization import prepare_corpus
+    data = str(tmp_path / "docs")
+    prepare_corpus("python-docs", [], data, progress=False)
+    common = dict(data=data, steps=10, eval_every=4, eval_batches=2, checkpoint_every=5, log_every=1, sample_tokens=8)
+    runs = {}
+    for mode in ("off", "auto", "resumed"):
+        resume = str(tmp_path / "auto" / "checkpoints" / "step-00000005.safetensors") if mode == "resumed" else ""
+        t = gpu_trainer(tmp_path, cuda_graph="off" if mode == "off" else "auto", out_dir=str(tmp_path / mode), resume=resume, **common)
+        runs[mode] = t.run()
+        if mode != "off": assert t.captured.graph is not None, mode
+    values = lambda mode, key: [r[key] for r in runs[mode] if key in r]
+    print({mode: (values(mode, "loss")[-3:], values(mode, "val_loss")) for mode in runs})
+    close = lambda a, b: len(a) == len(b) > 0 and all(abs(x - y) <= 1e-4 * abs(x) for x, y in zip(a, b))
+    assert close(values("off", "loss"), values("auto", "loss")) and close(values("off", "val_loss"), values("auto", "val_loss"))
+    assert close(values("auto", "loss")[5:], values("resumed", "loss"))
