@@ -16,7 +16,7 @@ __all__ = ['PHASES', 'PROFILE_WARMUP_STEPS', 'CHART_ROWS', 'ARM_GUARD', 'TIERS',
            'add_sweep_arch_arguments', 'run_sweep_arch']
 
 # %% ../nbs/07_profiling.ipynb #973d0d1b
-import argparse, json, math, os, shutil, statistics, subprocess, sys, tempfile, time
+import argparse, json, math, os, shlex, shutil, statistics, subprocess, sys, tempfile, time
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
@@ -328,7 +328,8 @@ def print_summary(rows, title):
     for r in rows: print("  ".join(fmt(r.get(c)).rjust(w) for c, w in zip(cols, widths)))
 
 def ab(ref, baseline_ref, config="tiny", rounds=3, steps=10, warmup=2, batch_size=None, seq_len=None, extra=()):
-    "Alternated A/B of `rtrainer train` at two git refs; returns the summary rows."
+    "Alternated A/B of `rtrainer train` at two git refs (`extra`: more flags for both); returns the summary rows."
+    warmup = max(warmup, GRAPH_WARMUP_STEPS + 1)   # a ref whose step is a CUDA graph captures it in this warm-up
     seq_len = seq_len or (1024 if config in REFERENCE_BATCH else 64)
     batch_size = batch_size or REFERENCE_BATCH.get(config, 8)
     with Worktree(ref) as a, Worktree(baseline_ref) as b:
@@ -773,11 +774,13 @@ def run_profile(args):
 def add_ab_arguments(p):
     p.add_argument("--ref", default="HEAD", help="arm A (default HEAD)"); p.add_argument("--baseline-ref", default="main", help="arm B")
     p.add_argument("--config", default="rb100m", help="preset name (default: rb100m)")
+    p.add_argument("--train-flags", default="", help='more `rtrainer train` flags for both arms, e.g. "--no-cuda-graph"')
     add_rounds_arguments(p); add_batch_arguments(p)
 
 def run_ab(args):
     "`rtrainer ab`"
-    ab(args.ref, args.baseline_ref, args.config, args.rounds, args.steps, args.warmup, args.batch_size, args.seq_len)
+    ab(args.ref, args.baseline_ref, args.config, args.rounds, args.steps, args.warmup, args.batch_size, args.seq_len,
+       extra=shlex.split(args.train_flags))
     return 0
 
 def add_versus_arguments(p):

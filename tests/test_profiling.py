@@ -163,3 +163,13 @@ def test_versus_interrupted_keeps_the_finished_arms(tmp_path, monkeypatch):
     assert by["rtrainer"]["rounds"] == by["eager"]["rounds"] == 1
     first_eager = 100.0 / next(r["tokens_per_s"] for r in saved["raw"]["eager"])
     assert abs(by["eager"]["rtrainer/arm"] - first_eager) < 1e-12
+
+def test_ab_passes_train_flags_to_both_arms(monkeypatch):
+    "`rtrainer ab --train-flags ...` hands the flags, split as a shell would, to every arm's `rtrainer train`."
+    import argparse
+    import rtrainer.profiling as profiling
+    seen = {}
+    monkeypatch.setattr(profiling, "ab", lambda *args, **kw: seen.update(kw))
+    p = argparse.ArgumentParser(); profiling.add_ab_arguments(p)
+    assert profiling.run_ab(p.parse_args(["--train-flags", "--no-cuda-graph --lr '3e-4'"])) == 0
+    assert seen["extra"] == ["--no-cuda-graph", "--lr", "3e-4"]
