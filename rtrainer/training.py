@@ -307,9 +307,11 @@ class Trainer:
         """The CapturedStep that replays each step as one CUDA graph, or None for eager steps. `cuda_graph` "on" refuses a
         run it cannot serve; "auto" takes it wherever it applies and falls back to eager steps if the capture fails."""
         mode = self.cfg.cuda_graph
-        applies = self.device.type == "cuda" and self.optimizer.impl == "triton" and not self.sft_pairs
-        if mode == "off" or (mode == "auto" and not applies): return None
-        return CapturedStep(self, fallback=mode == "auto")
+        if mode == "off": return None
+        try: return CapturedStep(self, fallback=mode == "auto")
+        except ValueError:                # its refusals say where it does not apply: a CPU, the PyTorch ops, --sft
+            if mode == "on": raise
+            return None
 
     @property
     def is_main(self): return self.rank == 0
