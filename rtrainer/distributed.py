@@ -15,7 +15,7 @@ __all__ = ['MULTICAST_OFF', 'DIST_TIMEOUT_S', 'DATA_PARALLEL', 'DDP_BUCKET_BYTES
            'scaling_suite']
 
 # %% ../nbs/08_distributed.ipynb #f09253a6
-import argparse, dataclasses, datetime, json, math, os, shutil, signal, subprocess, sys, tempfile, time, warnings
+import argparse, dataclasses, datetime, functools, json, math, os, shutil, signal, subprocess, sys, tempfile, time, warnings
 from dataclasses import asdict
 from pathlib import Path
 import torch
@@ -153,8 +153,10 @@ class ShardedAdamW(AdamW):
 WEIGHT_GRAD_OPS = ("linear", "embedding", "linear_cross_entropy")
 
 def use_autograd_weight_grads(model):
-    "Swap the ops that write param.main_grad for their PyTorch versions (autograd .grad), in place; returns the model."
-    for name in WEIGHT_GRAD_OPS: model.op[name] = get_op(name, "torch")
+    """Make the ops that write param.main_grad return their weight gradients through autograd (.grad) instead: the
+    Triton kernels with `write_main_grad=False`, the MoE layers on their PyTorch path. In place; returns the model."""
+    if model.impl == "triton":
+        for name in WEIGHT_GRAD_OPS: model.op[name] = functools.partial(get_op(name, "triton"), write_main_grad=False)
     for blk in model.blocks:
         if blk.moe is not None: blk.moe.impl = "torch"
     return model
@@ -193,7 +195,7 @@ class DistributedTrainer(Trainer):
     def build_model(self):
         model = ShardableTransformerLm(self.model_config, device=self.device)
         if self.dp == "fsdp":
-            if self.device.type == "cuda": use_autograd_weight_grads(model)
+            use_autograd_weight_grads(model)
             self.mesh = init_device_mesh(self.device.type, (self.world_size,))
             policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
             self.replicated = [p for n, p in model.named_parameters() if parameter_kind(n) != "matrix"]

@@ -13,20 +13,21 @@ __all__ = ['OPS', 'PROJECT_ROOT', 'RESULTS_DIR', 'T_QUANTILE_975', 'INTERPRETING
            'EMBEDDING_BACKWARD', 'EMBEDDING_BACKWARDS', 'BENCHMARKS', 'BENCHMARK_COLUMNS', 'register_op',
            'resolve_impl', 'get_op', 'at_least_fp32', 'rms_norm_reference', 'add_rms_norm_reference', 'rope_tables',
            'rope_reference', 'swiglu_reference', 'embedding_reference', 'start_gradient_step', 'main_grad_for_write',
-           'mark_main_grad_written', 'accumulate_main_grad', 'gradient_fp32', 'median_ms', 'peak_bytes', 'git_commit',
-           'machine_metadata', 'save_results', 'load_results', 'show_results', 't_quantile_975', 'ratio_interval',
-           'spread', 'alternation', 'check_kernel_device', 'vecadd_kernel', 'vecadd', 'relative_error', 'check_close',
-           'time_ms', 'benchmark_row', 'bench_vecadd', 'rms_norm_forward_kernel', 'rms_norm_backward_kernel', 'as_rows',
-           'resident_programs', 'rms_norm_forward', 'rms_norm_backward', 'RMSNormFunction', 'AddRMSNormFunction',
-           'rms_norm_triton', 'add_rms_norm_triton', 'register_op_example', 'run_op_with_grads', 'check_op',
-           'rope_kernel', 'rope_apply', 'RoPEFunction', 'rope_triton', 'swiglu_forward_kernel',
-           'swiglu_backward_kernel', 'swiglu_forward', 'swiglu_backward', 'SwiGLUFunction', 'swiglu_triton',
-           'embedding_forward_kernel', 'embedding_backward_segments_kernel', 'embedding_backward_atomic_kernel',
-           'embedding_forward', 'embedding_backward_deterministic', 'embedding_backward_atomic', 'EmbeddingFunction',
-           'embedding_triton', 'embedding_run_to_run_differences', 'bench_rms_norm', 'bench_add_rms_norm', 'bench_rope',
-           'bench_swiglu', 'bench_embedding', 'register_benchmark', 'benchmark_suite', 'print_table',
-           'add_doctor_arguments', 'run_doctor', 'parse_size', 'add_bench_arguments', 'run_ops_check', 'run_bench',
-           'kernel_knobs', 'parse_variants', 'add_sweep_arguments', 'knob_values', 'run_sweep']
+           'mark_main_grad_written', 'weight_grad_buffer', 'finish_weight_grad', 'accumulate_main_grad',
+           'gradient_fp32', 'median_ms', 'peak_bytes', 'git_commit', 'machine_metadata', 'save_results', 'load_results',
+           'show_results', 't_quantile_975', 'ratio_interval', 'spread', 'alternation', 'check_kernel_device',
+           'vecadd_kernel', 'vecadd', 'relative_error', 'check_close', 'time_ms', 'benchmark_row', 'bench_vecadd',
+           'rms_norm_forward_kernel', 'rms_norm_backward_kernel', 'as_rows', 'resident_programs', 'rms_norm_forward',
+           'rms_norm_backward', 'RMSNormFunction', 'AddRMSNormFunction', 'rms_norm_triton', 'add_rms_norm_triton',
+           'register_op_example', 'run_op_with_grads', 'check_op', 'rope_kernel', 'rope_apply', 'RoPEFunction',
+           'rope_triton', 'swiglu_forward_kernel', 'swiglu_backward_kernel', 'swiglu_forward', 'swiglu_backward',
+           'SwiGLUFunction', 'swiglu_triton', 'embedding_forward_kernel', 'embedding_backward_segments_kernel',
+           'embedding_backward_atomic_kernel', 'embedding_forward', 'embedding_backward_deterministic',
+           'embedding_backward_atomic', 'EmbeddingFunction', 'embedding_triton', 'embedding_run_to_run_differences',
+           'bench_rms_norm', 'bench_add_rms_norm', 'bench_rope', 'bench_swiglu', 'bench_embedding',
+           'register_benchmark', 'benchmark_suite', 'print_table', 'add_doctor_arguments', 'run_doctor', 'parse_size',
+           'add_bench_arguments', 'run_ops_check', 'run_bench', 'kernel_knobs', 'parse_variants', 'add_sweep_arguments',
+           'knob_values', 'run_sweep']
 
 # %% ../nbs/01_kernels.ipynb #127953a0
 import datetime, json, math, os, platform, re, statistics, subprocess, sys, time, warnings
@@ -132,6 +133,18 @@ def main_grad_for_write(param):
     return buf, not getattr(param, "main_grad_written", False)
 
 def mark_main_grad_written(param): param.main_grad_written = True
+
+def weight_grad_buffer(weight, write_main_grad=True):
+    """(fp32 buffer, overwrite) for a kernel about to compute `weight`'s gradient: `weight.main_grad`, or with
+    `write_main_grad=False` a fresh buffer whose contents go back through autograd (`finish_weight_grad`)."""
+    if write_main_grad: return main_grad_for_write(weight)
+    return torch.empty(weight.shape, dtype=torch.float32, device=weight.device), True
+
+def finish_weight_grad(weight, buf, write_main_grad=True):
+    "After the kernel: mark `weight.main_grad` written and return None for autograd, or return `buf` in weight's dtype."
+    if write_main_grad:
+        mark_main_grad_written(weight); return None
+    return buf.to(weight.dtype)
 
 def accumulate_main_grad(param, grad):
     "Add `grad` into param's fp32 buffer (overwriting it if this is the step's first write)."
@@ -874,25 +887,27 @@ EMBEDDING_BACKWARDS = {"deterministic": embedding_backward_deterministic, "atomi
 
 class EmbeddingFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ids, weight, backward_variant):
+    def forward(ctx, ids, weight, backward_variant, write_main_grad):
         ctx.save_for_backward(ids)
         ctx.weight, ctx.backward_variant = weight, backward_variant   # the parameter itself: its main_grad is written
+        ctx.write_main_grad = write_main_grad
         return embedding_forward(ids, weight)
 
     @staticmethod
     def backward(ctx, grad):
         (ids,) = ctx.saved_tensors
-        weight = ctx.weight
+        weight, dweight = ctx.weight, None
         if ctx.needs_input_grad[1]:
-            buf, overwrite = main_grad_for_write(weight)
+            buf, overwrite = weight_grad_buffer(weight, ctx.write_main_grad)
             EMBEDDING_BACKWARDS[ctx.backward_variant](ids, grad, buf, overwrite)
-            mark_main_grad_written(weight)
-        return None, None, None
+            dweight = finish_weight_grad(weight, buf, ctx.write_main_grad)
+        return None, dweight, None, None
 
-def embedding_triton(ids, weight):
-    "Rows of `weight` (V, D) at `ids`; the backward sums the weight gradient into weight.main_grad in fp32."
+def embedding_triton(ids, weight, write_main_grad=True):
+    """Rows of `weight` (V, D) at `ids`; the backward sums the weight gradient into weight.main_grad in fp32 (or, with
+    `write_main_grad=False`, returns it to autograd in weight's dtype)."""
     if EMBEDDING_BACKWARD not in EMBEDDING_BACKWARDS: raise ValueError(f"EMBEDDING_BACKWARD must be one of {sorted(EMBEDDING_BACKWARDS)}, got {EMBEDDING_BACKWARD!r}")
-    return EmbeddingFunction.apply(ids, weight, EMBEDDING_BACKWARD)
+    return EmbeddingFunction.apply(ids, weight, EMBEDDING_BACKWARD, write_main_grad)
 
 register_op("embedding", "triton", embedding_triton)
 

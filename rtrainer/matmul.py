@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from .kernels import (INTERPRETING, KERNELS_CAN_RUN, register_op, at_least_fp32, main_grad_for_write, mark_main_grad_written,
+from .kernels import (INTERPRETING, KERNELS_CAN_RUN, register_op, at_least_fp32, weight_grad_buffer, finish_weight_grad,
                               median_ms, peak_bytes, save_results, load_results, show_results, machine_metadata, knob_values)
 
 # %% ../nbs/01a_matmul.ipynb #0bd04b24
@@ -142,10 +142,10 @@ def gemm_into_fp32(a, b, out, accumulate):
 class LinearFp32WeightGrad(torch.autograd.Function):
     "y = x @ weight; the weight gradient goes into weight.main_grad in fp32 (overwrite on a step's first write, else add)."
     @staticmethod
-    def forward(ctx, x, weight):
+    def forward(ctx, x, weight, write_main_grad):
         x2 = x.reshape(-1, x.shape[-1])                         # (positions, in)
         ctx.save_for_backward(x2)
-        ctx.weight, ctx.x_shape = weight, x.shape
+        ctx.weight, ctx.x_shape, ctx.write_main_grad = weight, x.shape, write_main_grad
         return gemm(x2, weight).reshape(*x.shape[:-1], weight.shape[1])
 
     @staticmethod
@@ -153,19 +153,21 @@ class LinearFp32WeightGrad(torch.autograd.Function):
         (x2,), weight = ctx.saved_tensors, ctx.weight
         dy2 = dy.reshape(-1, dy.shape[-1])                      # (positions, out)
         dx = gemm(dy2, weight.t()).reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        dweight = None
         if ctx.needs_input_grad[1]:
-            buffer, overwrite = main_grad_for_write(weight)
+            buffer, overwrite = weight_grad_buffer(weight, ctx.write_main_grad)
             gemm_into_fp32(x2.t(), dy2, buffer, accumulate=not overwrite)   # (in, out) += x^T @ dy
-            mark_main_grad_written(weight)
-        return dx, None
+            dweight = finish_weight_grad(weight, buffer, ctx.write_main_grad)
+        return dx, dweight, None
 
-def linear_fp32_weight_grad(x, weight):
-    "x (..., in) @ weight (in, out); weight's gradient accumulates in weight.main_grad (fp32)."
+def linear_fp32_weight_grad(x, weight, write_main_grad=True):
+    """x (..., in) @ weight (in, out); weight's gradient accumulates in weight.main_grad (fp32), or with
+    `write_main_grad=False` goes back through autograd in weight's dtype."""
     if x.shape[-1] != weight.shape[0]:
         raise ValueError(f"linear: x has {x.shape[-1]} features, weight expects {weight.shape[0]}")
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return gemm(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[1])
-    return LinearFp32WeightGrad.apply(x, weight)
+    return LinearFp32WeightGrad.apply(x, weight, write_main_grad)
 
 register_op("linear", "triton", linear_fp32_weight_grad)
 
@@ -229,7 +231,7 @@ def cross_entropy_rows(logits, targets, row_loss, inv_count, vocab_size, ignore_
 class FusedLinearCrossEntropy(torch.autograd.Function):
     "Mean cross-entropy of hidden @ weight over the real vocabulary, in row chunks; gradients computed in forward."
     @staticmethod
-    def forward(ctx, hidden, weight, targets, vocab_size, ignore_index, compute_gradients):
+    def forward(ctx, hidden, weight, targets, vocab_size, ignore_index, compute_gradients, write_main_grad):
         N, VP = hidden.shape[0], weight.shape[1]
         inv_count = 1.0 / (targets != ignore_index).sum().float().reshape(1)   # stays on the device: no sync
         row_loss = torch.empty(N, dtype=torch.float32, device=hidden.device)
@@ -246,7 +248,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                 gemm_into_fp32(h.t(), logits, dweight, accumulate=chunk > 0)      # (D, VP)
             del logits
         ctx.save_for_backward(dhidden, dweight)
-        ctx.weight = weight
+        ctx.weight, ctx.write_main_grad = weight, write_main_grad
         return (row_loss.sum() * inv_count)[0]
 
     @staticmethod
@@ -254,15 +256,16 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         dhidden, dweight = ctx.saved_tensors
         weight = ctx.weight
         if dhidden is None: raise RuntimeError("linear_cross_entropy: backward through a loss computed without gradients")
+        grad_weight = None
         if ctx.needs_input_grad[1]:
-            buffer, overwrite = main_grad_for_write(weight)
+            buffer, overwrite = weight_grad_buffer(weight, ctx.write_main_grad)
             if overwrite: torch.mul(dweight, dloss, out=buffer)
             else: buffer.addcmul_(dweight, dloss)
-            mark_main_grad_written(weight)
+            grad_weight = finish_weight_grad(weight, buffer, ctx.write_main_grad)
         dhidden = dhidden * dloss.to(dhidden.dtype) if ctx.needs_input_grad[0] else None
-        return dhidden, None, None, None, None, None
+        return dhidden, grad_weight, None, None, None, None, None
 
-def linear_cross_entropy(hidden, weight, targets, vocab_size, ignore_index=IGNORE_INDEX):
+def linear_cross_entropy(hidden, weight, targets, vocab_size, ignore_index=IGNORE_INDEX, write_main_grad=True):
     "Mean cross-entropy of hidden (N, D) @ weight (D, VP)[:, :vocab_size] at targets (N,), never holding all logits."
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     if hidden.shape[1] != weight.shape[0]:
@@ -272,7 +275,7 @@ def linear_cross_entropy(hidden, weight, targets, vocab_size, ignore_index=IGNOR
     if not 0 < vocab_size <= weight.shape[1]:
         raise ValueError(f"linear_cross_entropy: vocab_size {vocab_size} must be in 1..{weight.shape[1]} (the weight's width)")
     compute_gradients = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return FusedLinearCrossEntropy.apply(hidden, weight, targets, vocab_size, ignore_index, compute_gradients)
+    return FusedLinearCrossEntropy.apply(hidden, weight, targets, vocab_size, ignore_index, compute_gradients, write_main_grad)
 
 register_op("linear_cross_entropy", "triton", linear_cross_entropy)
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from .kernels import (INTERPRETING, KERNELS_CAN_RUN, register_op, get_op, resolve_impl, at_least_fp32, swiglu_reference,
-                              swiglu_forward, swiglu_backward, main_grad_for_write, mark_main_grad_written, start_gradient_step,
+                              swiglu_forward, swiglu_backward, weight_grad_buffer, finish_weight_grad, start_gradient_step,
                               gradient_fp32, median_ms, peak_bytes, alternation, ratio_interval, save_results, show_results, knob_values,
                               _program_count)
 from .matmul import linear_reference    # also registers the "linear" op used by the shared expert
@@ -688,18 +688,14 @@ def _expert_gemm(rows, weight, plan, backends, block_m, group_bounds=None):
 
 def _expert_weight_grad(rows, grad_out, weight, plan, backends, write_main_grad, group_bounds=None):
     "Write (or accumulate) weight's fp32 gradient into weight.main_grad and return None, or return it in weight's dtype."
-    if write_main_grad: buf, overwrite = main_grad_for_write(weight)
-    else: buf, overwrite = torch.empty(weight.shape, dtype=torch.float32, device=weight.device), True
+    buf, overwrite = weight_grad_buffer(weight, write_main_grad)
     if backends.weight_grad == "library":
         grouped_gemm_weight_grad_library(rows, grad_out, plan.group_starts, plan.group_ends, buf, not overwrite, plan.capacity)
     elif backends.weight_grad == "per_expert":
         grouped_gemm_weight_grad_per_expert(rows, grad_out, group_bounds, buf, accumulate=not overwrite)
     else:
         grouped_gemm_weight_grad_triton(rows, grad_out, plan.group_starts, plan.group_ends, out=buf, accumulate=not overwrite)
-    if write_main_grad:
-        mark_main_grad_written(weight)
-        return None
-    return buf.to(weight.dtype)
+    return finish_weight_grad(weight, buf, write_main_grad)
 
 class MoeExperts(torch.autograd.Function):
     "y[t] = sum_j w[t, j] * SwiGLU expert(x[t]); saves x, hidden and expert_out, rebuilds the rest in backward."

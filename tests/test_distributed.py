@@ -34,7 +34,8 @@ def metrics(out_dir): return [r for r in map(json.loads, open(Path(out_dir) / "m
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """1 rank at batch 8 (FSDP2), 2 ranks at batch 4 (FSDP2) and at 2 micro-batches of 2 (DDP), 20 steps each, started
-    together; and DDP on the Triton kernels (interpreter), whose weight gradients land in main_grad, 1 rank against 2."""
+    together; and on the Triton kernels (interpreter), 1 rank (DDP) against 2 under DDP, whose weight gradients land in
+    main_grad, and under FSDP2, where they come back through autograd."""
     root = tmp_path_factory.mktemp("dist")
     kernels = ["--dp", "ddp", "--impl", "triton", "--steps", str(KERNEL_STEPS)]     # a later --steps wins
     procs = {"one": start(1, COMMON + ["--batch-size", "8", "--out-dir", str(root / "one")]),
@@ -42,7 +43,9 @@ def runs(tmp_path_factory):
              "ddp": start(2, COMMON + ["--batch-size", "2", "--accumulation", "2", "--dp", "ddp", "--out-dir", str(root / "ddp")]),
              "kernels-one": start(1, COMMON + kernels + ["--batch-size", "8", "--out-dir", str(root / "kernels-one")], INTERPRET),
              "kernels-ddp": start(2, COMMON + kernels + ["--batch-size", "2", "--accumulation", "2", "--out-dir", str(root / "kernels-ddp")],
-                                  INTERPRET)}
+                                  INTERPRET),
+             "kernels-fsdp": start(2, COMMON + kernels + ["--dp", "fsdp", "--batch-size", "4", "--out-dir", str(root / "kernels-fsdp")],
+                                   INTERPRET)}
     for name, p in procs.items():
         rc, out = finish(p)
         assert rc == 0, f"{name} run failed:\n{out[-3000:]}"
@@ -70,6 +73,37 @@ def test_ddp_on_the_triton_kernels_follows_one_process(runs):
     assert [r["step"] for r in one] == [r["step"] for r in two] == list(range(1, KERNEL_STEPS + 1))
     loss, norm = compare(one, two, "DDP on the Triton kernels, 2 ranks x 2 micro-batches of 2 vs 1 at B=8")
     assert loss < 1e-5 and norm < 1e-3
+
+def test_fsdp_on_the_triton_kernels_follows_one_process(runs):
+    "Under FSDP2 the same kernels return their weight gradients through autograd, which FSDP2 reduce-scatters."
+    one, two = metrics(runs / "kernels-one"), metrics(runs / "kernels-fsdp")
+    assert [r["step"] for r in one] == [r["step"] for r in two] == list(range(1, KERNEL_STEPS + 1))
+    loss, norm = compare(one, two, "FSDP2 on the Triton kernels, 2 ranks at B=4 vs 1 at B=8")
+    assert loss < 1e-5 and norm < 1e-3
+
+def test_autograd_weight_grads_equal_the_main_grad_buffers():
+    """`use_autograd_weight_grads`: the Triton linear, embedding and fused classifier return through `.grad` the weight
+    gradients they otherwise write into `main_grad`, and write no buffer."""
+    from rtrainer.distributed import use_autograd_weight_grads
+    from rtrainer.kernels import gradient_fp32, KERNELS_CAN_RUN
+    from rtrainer.model import TransformerLm, model_config
+    if not KERNELS_CAN_RUN: pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    cfg = model_config("tiny", vocab_size=512, n_layers=2, impl="triton")
+    models = []
+    for swap in (False, True):
+        torch.manual_seed(0)
+        m = TransformerLm(cfg)
+        if swap: use_autograd_weight_grads(m)
+        ids = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(1))
+        m(ids[:, :-1], ids[:, 1:])[0].backward()
+        models.append(m)
+    kinds = set()
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        if getattr(a, "main_grad_written", False):
+            kinds.add(name.split(".")[-1])
+            assert b.grad is not None and not getattr(b, "main_grad_written", False), name
+        torch.testing.assert_close(b.grad.float(), gradient_fp32(a), rtol=1e-5, atol=1e-6, msg=name)
+    assert {"embedding", "lm_head", "qkv"} <= kinds, kinds
 
 def test_only_rank_zero_writes(runs):
     lines = (runs / "two" / "metrics.jsonl").read_text().splitlines()
