@@ -153,12 +153,12 @@ class ShardedAdamW(AdamW):
 WEIGHT_GRAD_OPS = ("linear", "embedding", "linear_cross_entropy")
 
 def use_autograd_weight_grads(model):
-    """Make the ops that write param.main_grad return their weight gradients through autograd (.grad) instead: the
-    Triton kernels with `write_main_grad=False`, the MoE layers on their PyTorch path. In place; returns the model."""
+    """Make the kernels that write param.main_grad return their weight gradients through autograd (.grad) instead
+    (`write_main_grad=False`): the linear, embedding and classifier ops, and the MoE layers' experts. In place."""
     if model.impl == "triton":
         for name in WEIGHT_GRAD_OPS: model.op[name] = functools.partial(get_op(name, "triton"), write_main_grad=False)
     for blk in model.blocks:
-        if blk.moe is not None: blk.moe.impl = "torch"
+        if blk.moe is not None: blk.moe.write_main_grad = False
     return model
 
 # %% ../nbs/08_distributed.ipynb #4cb3765a

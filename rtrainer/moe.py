@@ -23,7 +23,7 @@ __all__ = ['GROUPED_GEMM_BLOCK_M', 'ROW_BLOCK', 'TMA_WGRAD_CONFIG', 'INTERPRET_T
            'accumulation_gradients', 'benchmark_arms', 'benchmark_suite']
 
 # %% ../nbs/03_moe.ipynb #d120d79d
-import math, os, sys, time
+import functools, math, os, sys, time
 from dataclasses import dataclass
 from typing import NamedTuple
 import torch
@@ -778,6 +778,7 @@ class MoeFeedForward(torch.nn.Module):
         self.d_model, self.expert_d_ff, self.n_experts, self.top_k = d_model, expert_d_ff, n_experts, top_k
         self.capacity_factor, self.dispatch, self.shared_expert_d_ff = capacity_factor, dispatch, shared_expert_d_ff
         self.grouped_gemm_block_m = None           # tests shrink the Triton row tile; None = GROUPED_GEMM_BLOCK_M
+        self.write_main_grad = True                # False: the Triton path returns weight gradients through autograd (FSDP2)
         router_dtype = torch.promote_types(dtype, torch.float32)            # fp32 (fp64 only for a float64 oracle)
         make = lambda *shape, dt=dtype: torch.nn.Parameter(torch.empty(*shape, dtype=dt, device=device))
         self.router = make(d_model, n_experts, dt=router_dtype)
@@ -808,10 +809,11 @@ class MoeFeedForward(torch.nn.Module):
             plan = (capacity_plan(top_experts, self.n_experts, self.capacity_factor) if self.dispatch == "capacity"
                     else dropless_plan(top_experts, self.n_experts))
             y = moe_experts_triton(x.contiguous(), top_weights, plan, self.experts_gate_up, self.experts_down,
-                                   self.grouped_gemm_block_m)
+                                   self.grouped_gemm_block_m, write_main_grad=self.write_main_grad)
             dropped = plan.dropped_fraction
         if self.shared_expert_d_ff > 0:
             linear, swiglu = get_op("linear", self.impl), get_op("swiglu", self.impl)
+            if self.impl == "triton": linear = functools.partial(linear, write_main_grad=self.write_main_grad)
             y = y + linear(swiglu(linear(x, self.shared_gate_up)), self.shared_down)
         expert_load = F.one_hot(top_experts.flatten(), self.n_experts).sum(0).float() / top_experts.numel()
         self.last_stats = dict(load_balance_loss=load_balance_loss(probs, top_experts),   # router dtype: fp32

@@ -81,14 +81,15 @@ def test_fsdp_on_the_triton_kernels_follows_one_process(runs):
     loss, norm = compare(one, two, "FSDP2 on the Triton kernels, 2 ranks at B=4 vs 1 at B=8")
     assert loss < 1e-5 and norm < 1e-3
 
-def test_autograd_weight_grads_equal_the_main_grad_buffers():
-    """`use_autograd_weight_grads`: the Triton linear, embedding and fused classifier return through `.grad` the weight
-    gradients they otherwise write into `main_grad`, and write no buffer."""
+@pytest.mark.parametrize("preset", ["tiny", "tiny_moe"])
+def test_autograd_weight_grads_equal_the_main_grad_buffers(preset):
+    """`use_autograd_weight_grads`: the Triton linear, embedding and fused classifier, and the MoE layer's experts and
+    shared expert, return through `.grad` the weight gradients they otherwise write into `main_grad`, and write no buffer."""
     from rtrainer.distributed import use_autograd_weight_grads
     from rtrainer.kernels import gradient_fp32, KERNELS_CAN_RUN
     from rtrainer.model import TransformerLm, model_config
     if not KERNELS_CAN_RUN: pytest.skip("needs a GPU or TRITON_INTERPRET=1")
-    cfg = model_config("tiny", vocab_size=512, n_layers=2, impl="triton")
+    cfg = model_config(preset, vocab_size=512, n_layers=2, impl="triton")
     models = []
     for swap in (False, True):
         torch.manual_seed(0)
@@ -104,6 +105,7 @@ def test_autograd_weight_grads_equal_the_main_grad_buffers():
             assert b.grad is not None and not getattr(b, "main_grad_written", False), name
         torch.testing.assert_close(b.grad.float(), gradient_fp32(a), rtol=1e-5, atol=1e-6, msg=name)
     assert {"embedding", "lm_head", "qkv"} <= kinds, kinds
+    if preset == "tiny_moe": assert {"experts_gate_up", "experts_down", "shared_gate_up"} <= kinds, kinds
 
 def test_only_rank_zero_writes(runs):
     lines = (runs / "two" / "metrics.jsonl").read_text().splitlines()
