@@ -12,10 +12,10 @@ __all__ = ['MULTICAST_OFF', 'DIST_TIMEOUT_S', 'DATA_PARALLEL', 'DDP_BUCKET_BYTES
            'resolve_distributed_checkpoint', 'read_distributed_checkpoint', 'prune_distributed_checkpoints',
            'export_checkpoint', 'add_distributed_arguments', 'wait_for_bundled_data', 'run_distributed_train', 'main',
            'throughput_flags', 'fraction_of_reference', 'engine_rows', 'benchmark_suite', 'scaling_rows',
-           'scaling_suite']
+           'scaling_suite', 'loss_curve_suite']
 
 # %% ../nbs/08_distributed.ipynb #f09253a6
-import argparse, dataclasses, datetime, functools, json, math, os, shutil, signal, subprocess, sys, tempfile, time, warnings
+import argparse, dataclasses, datetime, functools, json, math, os, shlex, shutil, signal, subprocess, sys, tempfile, time, warnings
 from dataclasses import asdict
 from pathlib import Path
 import torch
@@ -32,7 +32,7 @@ from .optimizer import AdamW, parameter_kind
 from .model import ModelConfig, TransformerLm, Block
 from .training import (Trainer, TrainConfig, NonFiniteLoss, CHECKPOINT_FORMAT, add_train_arguments,
                                train_config_from_args, model_config_from_args, ensure_bundled_data, read_checkpoint,
-                               check_same_shape, atomic_save_safetensors, device_peak_tflops, BUNDLED_DATA)
+                               check_same_shape, atomic_save_safetensors, device_peak_tflops, BUNDLED_DATA, compare_loss_curves)
 
 # %% ../nbs/08_distributed.ipynb #7b17f95b
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -635,3 +635,37 @@ def scaling_suite(model="dense1b", world_sizes=None, batch_size=None, seq_len=10
                           steps=steps, impl=impl, rounds=rounds, method="weak scaling: each world size its own torchrun, "
                           "alternated by round; tokens/s over the second half of the steps; efficiency paired by round")
     return rows
+
+# %% ../nbs/08_distributed.ipynb #e4d60c0c
+def loss_curve_suite(model="rb100m", engine="ddp", world_size=2, steps=200, batch_size=None, seq_len=1024, data=BUNDLED_DATA,
+                     extra="--lr 6e-4 --warmup 20", window=20, device="cuda", save=True, timeout=3600):
+    """One run (same seed, data and global batch `batch_size`) in one process and on `world_size` ranks under `engine`,
+    `steps` steps each; returns `compare_loss_curves` of the two (and saves it as 'dist_curves_MODEL_ENGINE').
+    `extra`: more `rtrainer train` flags for both, as one string."""
+    from rtrainer.kernels import save_results
+    from rtrainer.model import REFERENCE_BATCH
+    if engine not in DATA_PARALLEL: raise ValueError(f"loss_curve_suite: engine must be one of {', '.join(DATA_PARALLEL)}, got {engine!r}")
+    batch_size = batch_size or REFERENCE_BATCH.get(model, 8)
+    if world_size < 2 or batch_size % world_size:
+        raise ValueError(f"loss_curve_suite: the global batch {batch_size} must split evenly over a world size of at least 2, got {world_size}")
+    if device == "cuda" and (not torch.cuda.is_available() or torch.cuda.device_count() < world_size):
+        raise ValueError(f"loss_curve_suite: world size {world_size} needs as many CUDA GPUs (device='cpu' runs gloo ranks instead)")
+    work = Path(tempfile.mkdtemp(prefix="rtrainer-curves-"))
+    flags = [model, "--data", data, "--seq-len", str(seq_len), "--steps", str(steps), "--log-every", "1", "--eval-every", "0",
+             "--no-progress", "--no-checkpoints", "--device", device, *shlex.split(extra)]
+    arms = {"one": [sys.executable, "-m", "rtrainer", "train", *flags, "--batch-size", str(batch_size), "--out-dir", str(work / "one")],
+            engine: torchrun_command(world_size, ["train", *flags, "--batch-size", str(batch_size // world_size), "--dp", engine,
+                                                  "--out-dir", str(work / engine)], module="rtrainer.distributed")}
+    losses = {}
+    for name, cmd in arms.items():
+        subprocess.run(cmd, env=worker_environment(), check=True, timeout=timeout)
+        rows = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        losses[name] = [r["loss"] for r in rows if "loss" in r]
+        if not all(math.isfinite(l) for l in losses[name]): raise NonFiniteLoss(f"loss_curve_suite: a non-finite loss in the {name} run")
+        print(f"{name}: {len(losses[name])} steps, last loss {losses[name][-1]:.4f}", flush=True)
+    curve = compare_loss_curves(losses["one"], losses[engine], window)
+    if save and curve:
+        save_results(f"dist_curves_{model}_{engine}", [dict(curve, world_size=world_size)], model=model, engine=engine,
+                     batch_size=batch_size, seq_len=seq_len, steps=steps, data=str(data), extra=extra, losses=losses)
+    shutil.rmtree(work, ignore_errors=True)
+    return curve

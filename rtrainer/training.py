@@ -10,12 +10,12 @@ __all__ = ['BUNDLED_DATA', 'DEVICE_HELP', 'SWITCH', 'CHECKPOINT_FORMAT', 'SHAPE_
            'read_manifest', 'TrainingData', 'atomic_save_safetensors', 'save_checkpoint', 'resolve_checkpoint',
            'read_checkpoint', 'check_same_shape', 'load_model_weights', 'prune_checkpoints', 'device_peak_tflops',
            'mfu', 'retain_freed_memory', 'held_out_loss', 'NonFiniteLoss', 'resolved', 'Trainer', 'load_model',
-           'side_stream', 'CapturedStep', 'add_train_arguments', 'train_config_from_args', 'model_config_from_args',
-           'ensure_bundled_data', 'run_train', 'add_eval_arguments', 'run_eval', 'add_generate_arguments',
-           'run_generate']
+           'side_stream', 'CapturedStep', 'compare_loss_curves', 'add_train_arguments', 'train_config_from_args',
+           'model_config_from_args', 'ensure_bundled_data', 'run_train', 'add_eval_arguments', 'run_eval',
+           'add_generate_arguments', 'run_generate']
 
 # %% ../nbs/06_training.ipynb #9db08b8c
-import argparse, ctypes, dataclasses, json, math, os, sys, time
+import argparse, ctypes, dataclasses, json, math, os, statistics, sys, time
 from dataclasses import dataclass, asdict, field
 from pathlib import Path
 import numpy as np
@@ -599,6 +599,21 @@ class CapturedStep:
         self.tables = (staging, built, before, dict(om._device_plans))
 
 # %% ../nbs/06_training.ipynb #c0a401fb
+def compare_loss_curves(reference, other, window=20):
+    """Two loss curves of one run (same seed, data and global batch): the means of their last `window` steps and their
+    difference, the largest gap between their `window`-step running means and between single steps, and the reference's
+    step-to-step noise over its last `window` steps. None if the curves are shorter than 2 * window."""
+    n = min(len(reference), len(other))
+    if n < 2 * window: return None
+    running = lambda xs: [statistics.mean(xs[i - window:i]) for i in range(window, n + 1)]
+    ra, rb = running(reference[:n]), running(other[:n])
+    tail = reference[n - window:n]
+    return dict(steps=n, window=window, final_reference=ra[-1], final_other=rb[-1], final_diff=rb[-1] - ra[-1],
+                max_smoothed_gap=max(abs(x - y) for x, y in zip(ra, rb)),
+                max_step_gap=max(abs(x - y) for x, y in zip(reference[:n], other[:n])),
+                reference_noise=statistics.stdev(x - y for x, y in zip(tail[1:], tail[:-1])) / 2 ** 0.5)
+
+# %% ../nbs/06_training.ipynb #316059ba
 SHAPE_OVERRIDES = {"vocab_size": int, "d_model": int, "n_layers": int, "n_heads": int, "n_kv_heads": int, "head_dim": int,
                    "d_ff": int, "max_seq_len": int, "n_experts": int, "top_k": int, "expert_d_ff": int,
                    "capacity_factor": float, "moe_dispatch": str, "impl": str, "precision": str}

@@ -10,7 +10,7 @@ import statistics as st
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rtrainer.kernels import save_results, alternation, ratio_interval          # the kernels chapter's paired statistics
 from rtrainer.profiling import tokens_per_s_from_metrics                          # the profiling chapter's throughput reader
-from rtrainer.training import NonFiniteLoss
+from rtrainer.training import NonFiniteLoss, compare_loss_curves                   # the training chapter's curve comparison
 
 def run_arm(config, batch, impl, steps, seq_len, extra, data="synthetic"):
     out = Path(tempfile.mkdtemp(prefix=f"arm-{config}-{impl}-"))
@@ -35,18 +35,12 @@ def run_arm(config, batch, impl, steps, seq_len, extra, data="synthetic"):
     return row
 
 def curve_comparison(runs, window=20):
-    "Triton against torch loss curves of one config (same seed, same data): final means, largest smoothed gap, noise."
+    "Triton against torch loss curves of one config (same seed, same data), in the keys the recorded results use."
     by_impl = {r["impl"]: r["losses"] for r in runs}
     if not {"torch", "triton"} <= set(by_impl): return None
-    a, b = by_impl["torch"], by_impl["triton"]
-    n = min(len(a), len(b))
-    if n < 2 * window: return None
-    smooth = lambda xs: [st.mean(xs[i - window:i]) for i in range(window, n + 1)]
-    sa, sb = smooth(a[:n]), smooth(b[:n])
-    tail = a[n - window:n]
-    return dict(steps=n, window=window, final_torch=sa[-1], final_triton=sb[-1], final_diff=sb[-1] - sa[-1],
-                max_smoothed_gap=max(abs(x - y) for x, y in zip(sa, sb)), max_step_gap=max(abs(x - y) for x, y in zip(a[:n], b[:n])),
-                torch_noise=st.stdev(x - y for x, y in zip(tail[1:], tail[:-1])) / 2 ** 0.5)
+    c = compare_loss_curves(by_impl["torch"], by_impl["triton"], window)
+    renamed = {"final_reference": "final_torch", "final_other": "final_triton", "reference_noise": "torch_noise"}
+    return c and {renamed.get(k, k): v for k, v in c.items()}
 
 def main():
     ap = argparse.ArgumentParser()
