@@ -67,18 +67,14 @@ def test_ddp_follows_one_process(runs):
     loss, norm = compare(metrics(runs / "one"), metrics(runs / "ddp"), "DDP, 2 ranks x 2 micro-batches of 2 vs 1 at B=8")
     assert loss < 1e-5 and norm < 1e-3
 
-def test_ddp_on_the_triton_kernels_follows_one_process(runs):
-    "The kernels write their weight gradients into main_grad, which only rtrainer's own all-reduce carries across ranks."
-    one, two = metrics(runs / "kernels-one"), metrics(runs / "kernels-ddp")
+@pytest.mark.parametrize("engine, what", [
+    ("ddp", "DDP on the Triton kernels, 2 ranks x 2 micro-batches of 2 vs 1 at B=8"),     # main_grad, reduced by rtrainer's all-reduce
+    ("fsdp", "FSDP2 on the Triton kernels, 2 ranks at B=4 vs 1 at B=8")])                # gradients through autograd, FSDP2's reduce-scatter
+def test_the_triton_kernels_follow_one_process(runs, engine, what):
+    "The weight-gradient kernels under each engine: their gradients must cross the ranks, or the runs drift apart."
+    one, two = metrics(runs / "kernels-one"), metrics(runs / f"kernels-{engine}")
     assert [r["step"] for r in one] == [r["step"] for r in two] == list(range(1, KERNEL_STEPS + 1))
-    loss, norm = compare(one, two, "DDP on the Triton kernels, 2 ranks x 2 micro-batches of 2 vs 1 at B=8")
-    assert loss < 1e-5 and norm < 1e-3
-
-def test_fsdp_on_the_triton_kernels_follows_one_process(runs):
-    "Under FSDP2 the same kernels return their weight gradients through autograd, which FSDP2 reduce-scatters."
-    one, two = metrics(runs / "kernels-one"), metrics(runs / "kernels-fsdp")
-    assert [r["step"] for r in one] == [r["step"] for r in two] == list(range(1, KERNEL_STEPS + 1))
-    loss, norm = compare(one, two, "FSDP2 on the Triton kernels, 2 ranks at B=4 vs 1 at B=8")
+    loss, norm = compare(one, two, what)
     assert loss < 1e-5 and norm < 1e-3
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny_moe"])
