@@ -170,10 +170,9 @@ def _kill_switch(rank, step):
 
 class DistributedTrainer(Trainer):
     "The Trainer on torch.distributed: FSDP2 (default) or DDP over the ranks torchrun started."
+    distributed = True   # eager steps: the CUDA graph refuses it (and `--cuda-graph` with it)
     def __init__(self, config: TrainConfig, model_config: ModelConfig, dp="fsdp", log=print):
         if dp not in DATA_PARALLEL: raise ValueError(f"--dp must be one of {DATA_PARALLEL}, got {dp!r}")
-        if config.cuda_graph == "on": raise ValueError("--cuda-graph runs in one process: leave it out with --nproc or --dp")
-        config = dataclasses.replace(config, cuda_graph="off")   # the default ("auto") takes eager steps here
         self.dp, self.sync_gradients, self._sample_text, self.replicated = dp, True, None, []
         self.in_flight = {}   # DDP: id(parameter) -> (its all-reduce started in the backward, whether it had a gradient)
         self.rank, self.world_size, device = init_distributed(config.device)
@@ -644,6 +643,7 @@ def loss_curve_suite(model="rb100m", engine="ddp", world_size=2, steps=200, batc
     `extra`: more `rtrainer train` flags for both, as one string."""
     from rtrainer.kernels import save_results
     from rtrainer.model import REFERENCE_BATCH
+    from rtrainer.profiling import tokens_per_s_from_metrics
     if engine not in DATA_PARALLEL: raise ValueError(f"loss_curve_suite: engine must be one of {', '.join(DATA_PARALLEL)}, got {engine!r}")
     batch_size = batch_size or REFERENCE_BATCH.get(model, 8)
     if world_size < 2 or batch_size % world_size:
@@ -659,9 +659,8 @@ def loss_curve_suite(model="rb100m", engine="ddp", world_size=2, steps=200, batc
     losses = {}
     for name, cmd in arms.items():
         subprocess.run(cmd, env=worker_environment(), check=True, timeout=timeout)
-        rows = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        losses[name] = [r["loss"] for r in rows if "loss" in r]
-        if not all(math.isfinite(l) for l in losses[name]): raise NonFiniteLoss(f"loss_curve_suite: a non-finite loss in the {name} run")
+        _, rows = tokens_per_s_from_metrics(work / name / "metrics.jsonl", 0, 1)   # every step's row; refuses a non-finite loss
+        losses[name] = [r["loss"] for r in rows]
         print(f"{name}: {len(losses[name])} steps, last loss {losses[name][-1]:.4f}", flush=True)
     curve = compare_loss_curves(losses["one"], losses[engine], window)
     if save and curve:

@@ -277,6 +277,7 @@ def resolved(row):
 class Trainer:
     "Runs one training job described by a TrainConfig and a ModelConfig."
     rank, world_size = 0, 1
+    distributed = False   # a subclass whose step talks to other processes (the CUDA graph refuses it)
     unchecked = None      # (step, loss, norm) of the last step whose loss and norm the host has not read yet
     last_loss = None      # the loss of the last step the host has read
 
@@ -309,7 +310,7 @@ class Trainer:
         mode = self.cfg.cuda_graph
         if mode == "off": return None
         try: return CapturedStep(self, fallback=mode == "auto")
-        except ValueError:                # its refusals say where it does not apply: a CPU, the PyTorch ops, --sft
+        except ValueError:                # its refusals say where it does not apply: --sft, several processes, a CPU, the PyTorch ops
             if mode == "on": raise
             return None
 
@@ -523,6 +524,7 @@ class CapturedStep:
     "The trainer's step at fixed addresses: run eagerly for GRAPH_WARMUP_STEPS steps, then captured once and replayed."
     def __init__(self, trainer, capture=True, fallback=False):
         if trainer.sft_pairs: raise ValueError("--cuda-graph does not take --sft: fine-tuning batches change shape from step to step")
+        if trainer.distributed: raise ValueError("--cuda-graph runs in one process: leave it out with --nproc or --dp")
         if capture:
             if trainer.device.type != "cuda": raise ValueError(f"--cuda-graph needs a CUDA device (this run is on {trainer.device})")
             if trainer.optimizer.impl != "triton": raise ValueError("--cuda-graph needs the Triton kernels (impl triton, or auto on a GPU)")

@@ -194,3 +194,19 @@ def test_ddp_starts_each_blocks_all_reduce_in_the_backward(tmp_path):
     assert t.in_flight == {}
     assert abs(row["loss"] - expected["loss"]) <= 1e-6 * expected["loss"], (row, expected)
     assert abs(row["grad_norm"] - expected["grad_norm"]) <= 1e-5 * expected["grad_norm"], (row, expected)
+
+def test_the_distributed_trainer_takes_eager_steps(tmp_path):
+    "No flag: eager steps under DDP and FSDP2 (the CUDA graph refuses a trainer that talks to other ranks); --cuda-graph: refused."
+    import torch.distributed as dist
+    from rtrainer.distributed import DistributedTrainer
+    from rtrainer.model import model_config
+    from rtrainer.training import TrainConfig
+    cfg = lambda graph: TrainConfig(data="synthetic", steps=1, batch_size=2, seq_len=16, eval_every=0, progress=False, device="cpu",
+                                    out_dir=str(tmp_path), checkpoints=False, cuda_graph=graph)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for dp in ("ddp", "fsdp"):
+            assert DistributedTrainer(cfg("auto"), model_config("tiny", vocab_size=512), dp=dp, log=lambda *a: None).captured is None
+        with pytest.raises(ValueError, match="runs in one process"):
+            DistributedTrainer(cfg("on"), model_config("tiny", vocab_size=512), dp="ddp", log=lambda *a: None)
+    finally: dist.destroy_process_group()
