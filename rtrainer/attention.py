@@ -6,12 +6,10 @@ Docs: https://example.invalid/rtrainer/rtrainer/attention.html.md"""
 
 # %% auto #0
 __all__ = ['SUPPORTED_HEAD_DIMS', 'INTERPRET_BLOCK_M', 'INTERPRET_BLOCK_N', 'LOG2_E', 'LONG_SEQUENCE', 'TUNED_CONFIGS',
-           'BACKWARD_DQ_FROM', 'DS_BUDGET_BYTES', 'DS_PAD', 'FP32_CONFIGS', 'REFERENCE_ATTENTION_SHAPES',
-           'SWEEP_LENGTHS', 'SWEEP_TOKENS', 'SWEEP_HEADS', 'SDPA_BACKENDS', 'BENCHMARK_ROUNDS', 'attention_reference',
-           'attention_sdpa', 'flash_forward_kernel', 'flash_backward_dkdv_kernel', 'flash_backward_dq_kernel',
-           'flash_backward_delta_kernel', 'flash_backward_dq_from_ds_kernel', 'config_kwargs', 'tuned_config',
-           'backward_dq_from', 'flash_attention_forward', 'flash_backward_dq', 'flash_backward_dkdv',
-           'flash_backward_delta', 'ds_buffer', 'flash_backward_dq_from_ds', 'flash_attention_backward',
+           'FP32_CONFIGS', 'REFERENCE_ATTENTION_SHAPES', 'SWEEP_LENGTHS', 'SWEEP_TOKENS', 'SWEEP_HEADS',
+           'SDPA_BACKENDS', 'BENCHMARK_ROUNDS', 'attention_reference', 'attention_sdpa', 'flash_forward_kernel',
+           'flash_backward_dkdv_kernel', 'flash_backward_dq_kernel', 'config_kwargs', 'tuned_config',
+           'flash_attention_forward', 'flash_backward_dq', 'flash_backward_dkdv', 'flash_attention_backward',
            'FlashAttentionFunction', 'flash_attention', 'fused_qkv_views', 'attention_parity_errors',
            'rope_attention_reference', 'RopeAttentionFunction', 'rope_attention_triton', 'rope_attention_errors',
            'attention_flops', 'benchmark_suite']
@@ -122,9 +120,9 @@ def flash_forward_kernel(
 
 # %% ../nbs/02_attention.ipynb #7a7d759a
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, ds_base, stride_qt, stride_dot, stride_dsk,
-                k_pos, lo, hi, T, scale_log2, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-                WRITE_DS: tl.constexpr, PRECISION: tl.constexpr):
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, k_pos, lo, hi, T,
+                scale_log2, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+                PRECISION: tl.constexpr):
     offs_d = tl.arange(0, HEAD_DIM)
     for start_m in range(lo, hi, BLOCK_M):
         q_pos = start_m + tl.arange(0, BLOCK_M)
@@ -139,23 +137,20 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, ds_base, st
             pT = tl.where(q_pos[None, :] >= k_pos[:, None], pT, 0.0)
         dv += tl.dot(pT.to(do.dtype), do, input_precision=PRECISION)                       # (BLOCK_N, hd)
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)                 # (BLOCK_N, BLOCK_M)
-        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)                 # rounded as the dQ kernel rounds it
-        if WRITE_DS:                                                       # dS^T tile, for dQ = dS K afterwards
-            tl.store(ds_base + k_pos[:, None] * stride_dsk + q_pos[None, :], dsT)
-        dk += tl.dot(dsT, q, input_precision=PRECISION)
+        dsT = pT * (dpT - delta[None, :])
+        dk += tl.dot(dsT.to(q.dtype), q, input_precision=PRECISION)
     return dk, dv
 
 @triton.jit
 def flash_backward_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,                    # dk/dv (B,T,KV,hd) contiguous, summed over the group's query heads
-    DS,                                                 # WRITE_DS: dS^T per query head of this launch's KV heads, (keys, queries)
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_dob, stride_dot, stride_doh, stride_dkb, stride_dkt, stride_dkh, stride_dsh, stride_dsk,
-    H, KV, T, GROUP, scale_log2, sm_scale, FIRST_BKV,   # FIRST_BKV: this launch's first b * KV + kv head
+    stride_dob, stride_dot, stride_doh, stride_dkb, stride_dkt, stride_dkh,
+    H, KV, T, GROUP, scale_log2, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, WRITE_DS: tl.constexpr, PRECISION: tl.constexpr):
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
-    bkv = tl.program_id(1) + FIRST_BKV
+    bkv = tl.program_id(1)
     b, kvh = (bkv // KV).to(tl.int64), (bkv % KV).to(tl.int64)
     k_pos = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -174,15 +169,14 @@ def flash_backward_dkdv_kernel(
         do_base = DO + b * stride_dob + h * stride_doh
         lse_base = LSE + (b * H + h) * T
         delta_base = DELTA + (b * H + h) * T
-        ds_base = DS + (tl.program_id(1) * GROUP + g).to(tl.int64) * stride_dsh
         if CAUSAL:
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, ds_base, stride_qt, stride_dot,
-                                 stride_dsk, k_pos, start_n, diag_end, T, scale_log2, BLOCK_M, HEAD_DIM, True, WRITE_DS, PRECISION)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, ds_base, stride_qt, stride_dot,
-                                 stride_dsk, k_pos, start_n + BLOCK_N, T, T, scale_log2, BLOCK_M, HEAD_DIM, False, WRITE_DS, PRECISION)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, k_pos,
+                                 start_n, diag_end, T, scale_log2, BLOCK_M, HEAD_DIM, True, PRECISION)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, k_pos,
+                                 start_n + BLOCK_N, T, T, scale_log2, BLOCK_M, HEAD_DIM, False, PRECISION)
         else:
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, ds_base, stride_qt, stride_dot,
-                                 stride_dsk, k_pos, 0, T, T, scale_log2, BLOCK_M, HEAD_DIM, False, WRITE_DS, PRECISION)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, k_pos,
+                                 0, T, T, scale_log2, BLOCK_M, HEAD_DIM, False, PRECISION)
     out = b * stride_dkb + kvh * stride_dkh + k_pos[:, None] * stride_dkt + offs_d[None, :]
     tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=k_pos[:, None] < T)
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=k_pos[:, None] < T)
@@ -242,52 +236,6 @@ def flash_backward_dq_kernel(
     tl.store(DQ + b * stride_dqb + h * stride_dqh + q_pos[:, None] * stride_dqt + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None])
 
-@triton.jit
-def flash_backward_delta_kernel(
-    O, DO, DELTA, stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, H, T,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    "delta = rowsum(dO * O), (B,H,T) fp32: what the dK/dV kernel needs before it can store dS."
-    start_m, b, h, kvh, q_pos, offs_d = _query_block(H, 1, BLOCK_M, HEAD_DIM)
-    rows = q_pos[:, None] < T
-    o = tl.load(O + b * stride_ob + h * stride_oh + q_pos[:, None] * stride_ot + offs_d[None, :], mask=rows, other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + q_pos[:, None] * stride_dot + offs_d[None, :], mask=rows, other=0.0)
-    tl.store(DELTA + (b * H + h) * T + q_pos, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=q_pos < T)
-
-@triton.jit
-def flash_backward_dq_from_ds_kernel(
-    DS, K, DQ,                                          # DS: the dK/dV kernel's dS^T tiles, (keys, queries) per query head
-    stride_dsh, stride_dsk, stride_kb, stride_kt, stride_kh, stride_dqb, stride_dqt, stride_dqh,
-    H, T, GROUP, sm_scale, FIRST_BH,                    # FIRST_BH: this launch's first b * H + h
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    PRECISION: tl.constexpr):
-    "dQ = dS K: one matmul per tile pair, where the recomputing dQ kernel does three."
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1) + FIRST_BH
-    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
-    k_base = K + b * stride_kb + (h // GROUP) * stride_kh
-    ds_base = DS + tl.program_id(1).to(tl.int64) * stride_dsh
-    q_pos = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    if CAUSAL:
-        full_end, end = start_m, tl.minimum(start_m + BLOCK_M, T)
-    else:
-        full_end, end = (T // BLOCK_N) * BLOCK_N, T
-    for start_n in range(0, full_end, BLOCK_N):         # whole tiles: every entry written by the dK/dV kernel
-        k_pos = start_n + tl.arange(0, BLOCK_N)
-        k = tl.load(k_base + k_pos[:, None] * stride_kt + offs_d[None, :])
-        dsT = tl.load(ds_base + k_pos[:, None] * stride_dsk + q_pos[None, :])
-        dq = tl.dot(tl.trans(dsT), k, dq, input_precision=PRECISION)
-    for start_n in range(full_end, end, BLOCK_N):      # the diagonal and the last keys: read only what was written
-        k_pos = start_n + tl.arange(0, BLOCK_N)
-        k = tl.load(k_base + k_pos[:, None] * stride_kt + offs_d[None, :], mask=k_pos[:, None] < T, other=0.0)
-        keep = k_pos[:, None] < T
-        if CAUSAL: keep = keep & (k_pos[:, None] <= q_pos[None, :])
-        dsT = tl.load(ds_base + k_pos[:, None] * stride_dsk + q_pos[None, :], mask=keep, other=0.0)
-        dq = tl.dot(tl.trans(dsT), k, dq, input_precision=PRECISION)
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + q_pos[:, None] * stride_dqt + offs_d[None, :],
-             (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_pos[:, None] < T)
-
 # %% ../nbs/02_attention.ipynb #6bc5e1b5
 # The config each kernel runs, (BLOCK_M, BLOCK_N, warps, stages, register cap per thread or None), chosen by a sweep
 # of up to 16 configs per kernel on the H200 (tests/attention_configs.py, "Fifth round" and "Sixth round" at the end),
@@ -311,39 +259,24 @@ TUNED_CONFIGS = {   # forward and dQ need BLOCK_M % BLOCK_N == 0, dK/dV BLOCK_N 
            (128, "short"): (64, 32, 4, 3, None), (128, "long"): (64, 32, 4, 3, None)},
     "dkdv": {(64, "short"): (32, 64, 4, 3, 168), (64, "long"): (64, 64, 4, 3, None),
              (128, "short"): (32, 64, 4, 3, None), (128, "long"): (32, 64, 4, 3, None)},
-    "dq_ds": {(64, "short"): (64, 64, 4, 3, None), (64, "long"): (64, 64, 4, 3, None),
-              (128, "short"): (64, 64, 4, 3, None), (128, "long"): (64, 64, 4, 3, None)},
 }
-# How the backward gets dQ, per class: "recompute" (the dQ kernel recomputes P and dP from Q, K, V, three matmuls per
-# tile pair) or "ds" (the dK/dV kernel stores dS, which it computes anyway, and dQ = dS K is one matmul per pair).
-BACKWARD_DQ_FROM = {(64, "short"): "recompute", (64, "long"): "recompute", (128, "short"): "ds", (128, "long"): "ds"}
-DS_BUDGET_BYTES = 256 * 2**20   # the most the stored dS takes at once: the backward runs in chunks of KV heads under it
-DS_PAD = 128                    # dS is stored as (T', T') per query head, T' = T rounded up to this (every block divides it)
 
 def config_kwargs(c):
     "(BLOCK_M, BLOCK_N, warps, stages, register cap or None) -> the launch's keyword arguments."
     return dict(BLOCK_M=c[0], BLOCK_N=c[1], num_warps=c[2], num_stages=c[3], **({"maxnreg": c[4]} if c[4] else {}))
 
-def _length_class(head_dim, T): return (128 if head_dim > 64 else 64, "long" if T >= LONG_SEQUENCE else "short")
-
 def tuned_config(kernel, head_dim, T):
-    "The launch keywords of 'forward' | 'dq' | 'dkdv' | 'dq_ds' at this head dim and sequence length (bf16 and fp16)."
-    return config_kwargs(TUNED_CONFIGS[kernel][_length_class(head_dim, T)])
-
-def backward_dq_from(head_dim, T):
-    "'recompute' or 'ds': how the backward computes dQ at this head dim and sequence length."
-    return BACKWARD_DQ_FROM[_length_class(head_dim, T)]
+    "The launch keywords of 'forward' | 'dq' | 'dkdv' at this head dim and sequence length (bf16 and fp16)."
+    return config_kwargs(TUNED_CONFIGS[kernel][(128 if head_dim > 64 else 64, "long" if T >= LONG_SEQUENCE else "short")])
 
 # fp32 (IEEE dot products) serves the parity tests and the fp32 policy, whose speed is no target: it runs one fixed config per kernel
 # (autotuning them once took about 100 s of compiles per head dim on the H200). Each fits
 # in shared memory at head dim 128 (at most 107 KB, compiled for sm_90) and keeps the kernel's block constraints.
 FP32_CONFIGS = {"forward": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
                 "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
-                "dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
-                "dq_ds": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)}
+                "dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2)}
 
-_KERNELS = dict(forward=flash_forward_kernel, dq=flash_backward_dq_kernel, dkdv=flash_backward_dkdv_kernel,
-                dq_ds=flash_backward_dq_from_ds_kernel)
+_KERNELS = dict(forward=flash_forward_kernel, dq=flash_backward_dq_kernel, dkdv=flash_backward_dkdv_kernel)
 _INTERPRET_CONFIG = dict(BLOCK_M=INTERPRET_BLOCK_M, BLOCK_N=INTERPRET_BLOCK_N)
 
 def _launcher(kernel, dtype, head_dim, T, config=None):
@@ -405,9 +338,8 @@ def flash_backward_dq(do, q, k, v, o, lse, causal=True, dq=None, delta=None, con
         HEAD_DIM=hd, CAUSAL=causal, PRECISION=_precision(q.dtype), **config)
     return dq, delta
 
-def flash_backward_dkdv(do, q, k, v, lse, delta, causal=True, dk=None, dv=None, config=None, ds=None, kv_heads=None):
-    """The dK/dV kernel, from a stored delta: returns (dk, dv), (B,T,KV,hd) each. With `ds`, a buffer from `ds_buffer`,
-    it also stores dS^T there; `kv_heads` (a range over B * KV) limits the launch to those KV heads."""
+def flash_backward_dkdv(do, q, k, v, lse, delta, causal=True, dk=None, dv=None, config=None):
+    "The dK/dV kernel, from the delta the dQ kernel stored: returns (dk, dv), (B,T,KV,hd) each."
     do, q, k, v = (_unit_stride(t) for t in (do, q, k, v))
     B, T, H, hd = q.shape
     KV, sm_scale = k.shape[2], 1.0 / math.sqrt(hd)
@@ -415,69 +347,17 @@ def flash_backward_dkdv(do, q, k, v, lse, delta, causal=True, dk=None, dv=None, 
     dv = _output(dv, (B, T, KV, hd), v, "dv")
     if dk.stride() != dv.stride():     # the kernel writes both with dk's strides
         raise ValueError(f"flash_attention: dk and dv must share their strides, got {dk.stride()} and {dv.stride()}")
-    kv_heads = kv_heads or range(B * KV)
-    if ds is not None and ds.shape[0] < len(kv_heads) * (H // KV): raise ValueError(f"flash_attention: dS buffer holds {ds.shape[0]} heads, {len(kv_heads) * (H // KV)} needed")
     launch, config = _launcher("dkdv", q.dtype, hd, T, config)
-    launch[lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), len(kv_heads))](
-        q, k, v, do, lse, delta, dk, dv, dk if ds is None else ds, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *do.stride()[:3], *dk.stride()[:3], *((0, 0) if ds is None else ds.stride()[:2]), H, KV, T, H // KV,
-        sm_scale * LOG2_E, sm_scale, kv_heads.start, HEAD_DIM=hd, CAUSAL=causal, WRITE_DS=ds is not None,
-        PRECISION=_precision(q.dtype), **config)
+    launch[lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * KV)](
+        q, k, v, do, lse, delta, dk, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
+        *dk.stride()[:3], H, KV, T, H // KV, sm_scale * LOG2_E, sm_scale,
+        HEAD_DIM=hd, CAUSAL=causal, PRECISION=_precision(q.dtype), **config)
     return dk, dv
 
-def flash_backward_delta(do, o, delta=None):
-    "delta = rowsum(dO * O), (B,H,T) fp32, in a pass of its own (the 'ds' backward needs it before the dK/dV kernel)."
-    do, o = _unit_stride(do), _unit_stride(o)
-    B, T, H, hd = o.shape
-    delta = _output(delta, (B, H, T), o, "delta", torch.float32)
-    block = INTERPRET_BLOCK_M if INTERPRETING else 64
-    flash_backward_delta_kernel[(triton.cdiv(T, block), B * H)](o, do, delta, *o.stride()[:3], *do.stride()[:3], H, T,
-                                                                HEAD_DIM=hd, BLOCK_M=block, num_warps=4)
-    return delta
-
-def ds_buffer(q, k, budget=None):
-    "The dS^T buffer of the 'ds' backward: (heads, T', T') in q's dtype, as many whole KV groups as `budget` bytes hold (at least one)."
-    B, T, H, _ = q.shape
-    group, t_pad = H // k.shape[2], triton.cdiv(T, DS_PAD) * DS_PAD
-    per_kv_head = group * t_pad * t_pad * q.element_size()
-    kv_heads = max(1, min(B * k.shape[2], (DS_BUDGET_BYTES if budget is None else budget) // per_kv_head))
-    return torch.empty(kv_heads * group, t_pad, t_pad, dtype=q.dtype, device=q.device)
-
-def flash_backward_dq_from_ds(ds, q, k, dq, causal=True, heads=None, config=None):
-    "dQ = dS K for the query heads `heads` (a range over B * H; ds holds their dS^T, in that order), into dq (B,T,H,hd)."
-    k = _unit_stride(k)
-    B, T, H, hd = q.shape
-    heads = heads or range(B * H)
-    launch, config = _launcher("dq_ds", q.dtype, hd, T, config)
-    launch[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), len(heads))](
-        ds, k, dq, *ds.stride()[:2], *k.stride()[:3], *dq.stride()[:3], H, T, H // k.shape[2], 1.0 / math.sqrt(hd),
-        heads.start, HEAD_DIM=hd, CAUSAL=causal, PRECISION=_precision(q.dtype), **config)
-    return dq
-
-def flash_attention_backward(do, q, k, v, o, lse, causal=True, dq=None, dk=None, dv=None, dq_from=None, ds_budget=None):
-    """Backward kernels; (dq, dk, dv). dq_from (default `backward_dq_from`'s choice for the shape):
-    'recompute': dQ over query blocks (it also stores delta = rowsum(dO * O)), then dK/dV over key blocks;
-    'ds': delta, then per chunk of KV heads (dS under `ds_budget` bytes) dK/dV storing dS, then dQ = dS K."""
-    dq_from = dq_from or backward_dq_from(q.shape[-1], q.shape[1])
-    if dq_from == "recompute":
-        dq, delta = flash_backward_dq(do, q, k, v, o, lse, causal, dq)
-        dk, dv = flash_backward_dkdv(do, q, k, v, lse, delta, causal, dk, dv)
-        return dq, dk, dv
-    if dq_from != "ds": raise ValueError(f"flash_attention_backward: dq_from must be 'recompute' or 'ds', got {dq_from!r}")
-    do, q, k, v, o = (_unit_stride(t) for t in (do, q, k, v, o))
-    B, T, H, hd = q.shape
-    KV = k.shape[2]
-    group = H // KV
-    dq = _output(dq, (B, T, H, hd), q, "dq")
-    dk = _output(dk, (B, T, KV, hd), k, "dk")
-    dv = _output(dv, (B, T, KV, hd), v, "dv")
-    delta = flash_backward_delta(do, o)
-    ds = ds_buffer(q, k, ds_budget)
-    chunk = ds.shape[0] // group
-    for first in range(0, B * KV, chunk):
-        kv_heads = range(first, min(first + chunk, B * KV))
-        flash_backward_dkdv(do, q, k, v, lse, delta, causal, dk, dv, ds=ds, kv_heads=kv_heads)
-        flash_backward_dq_from_ds(ds, q, k, dq, causal, heads=range(first * group, kv_heads.stop * group))
+def flash_attention_backward(do, q, k, v, o, lse, causal=True, dq=None, dk=None, dv=None):
+    "Backward kernels: dQ over query blocks (it also stores delta = rowsum(dO * O)), then dK/dV over key blocks; (dq, dk, dv)."
+    dq, delta = flash_backward_dq(do, q, k, v, o, lse, causal, dq)
+    dk, dv = flash_backward_dkdv(do, q, k, v, lse, delta, causal, dk, dv)
     return dq, dk, dv
 
 class FlashAttentionFunction(torch.autograd.Function):
@@ -507,15 +387,14 @@ def fused_qkv_views(B, T, H, KV, hd, dtype=torch.float32, device="cpu"):
     q, k, v = qkv.split([H * hd, KV * hd, KV * hd], dim=-1)
     return q.unflatten(-1, (H, hd)), k.unflatten(-1, (KV, hd)), v.unflatten(-1, (KV, hd))
 
-def attention_parity_errors(B, T, H, KV, hd, dtype=torch.float32, causal=True, device="cpu", dq_from=None, ds_budget=None):
-    """Relative errors of flash attention's o, lse, dq, dk, dv against the float64 reference, on fresh random inputs;
-    `dq_from`/`ds_budget` choose the backward (`flash_attention_backward`), by default the one the autograd function runs."""
+def attention_parity_errors(B, T, H, KV, hd, dtype=torch.float32, causal=True, device="cpu"):
+    "Relative errors of flash attention's o, lse, dq, dk, dv against the float64 reference, on fresh random inputs."
     q, k, v = fused_qkv_views(B, T, H, KV, hd, dtype, device)
     do = torch.randn(B, T, H, hd, dtype=dtype, device=device)
     poison = lambda *shape, dt=dtype: torch.full(shape, float("nan"), dtype=dt, device=device)
     o, lse = flash_attention_forward(q, k, v, causal, o=poison(B, T, H, hd), lse=poison(B, H, T, dt=torch.float32))
-    dq, dk, dv = flash_attention_backward(do, q, k, v, o, lse, causal, dq=poison(B, T, H, hd), dk=poison(B, T, KV, hd),
-                                          dv=poison(B, T, KV, hd), dq_from=dq_from, ds_budget=ds_budget)
+    dq, dk, dv = flash_attention_backward(do, q, k, v, o, lse, causal, dq=poison(B, T, H, hd),
+                                          dk=poison(B, T, KV, hd), dv=poison(B, T, KV, hd))
     for name, t in dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv).items():
         if not t.isfinite().all(): raise ValueError(f"attention_parity_errors: {name} has non-finite entries (unwritten?)")
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -526,7 +405,7 @@ def attention_parity_errors(B, T, H, KV, hd, dtype=torch.float32, causal=True, d
     qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
     out = flash_attention(qa, ka, va, causal)
     grads = torch.autograd.grad(out, (qa, ka, va), do)
-    if dq_from in (None, backward_dq_from(hd, T)) and not all(torch.equal(a, b) for a, b in zip((out, *grads), (o, dq, dk, dv))):
+    if not all(torch.equal(a, b) for a, b in zip((out, *grads), (o, dq, dk, dv))):
         raise ValueError("attention_parity_errors: the autograd function disagrees with the direct kernel calls")
     return dict(o=relative_error(o, ref), lse=relative_error(lse, scores.logsumexp(-1)),
                 **{name: relative_error(g, r) for name, g, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads)})

@@ -26,29 +26,6 @@ def test_flash_attention_matches_float64_reference(B, T, H, KV, hd, dtype, causa
     print(f"B{B} T{T} H{H} KV{KV} hd{hd} {dtype} causal={causal}:", {k: f"{e:.1e}" for k, e in errors.items()})
     assert max(errors.values()) < (1e-4 if dtype == torch.float32 else 2e-3), errors
 
-@pytest.mark.parametrize("B,T,H,KV,hd,dtype,causal", [c for c in CASES if c[1] > 1] + [(1, 130, 2, 1, 16, torch.float32, True)])
-@pytest.mark.parametrize("ds_budget", [None, 1])        # 1 byte: a chunk of one KV head, as many launches as KV heads
-def test_dq_from_stored_ds_matches_float64_reference(B, T, H, KV, hd, dtype, causal, ds_budget):
-    "The 'ds' backward (dK/dV stores dS, dQ = dS K), chunked or not; T 130 pads dS to 256."
-    errors = attention_parity_errors(B, T, H, KV, hd, dtype, causal, dq_from="ds", ds_budget=ds_budget)
-    assert max(errors.values()) < (1e-4 if dtype == torch.float32 else 2e-3), errors
-
-def test_ds_backward_keeps_dk_dv_and_refuses_unknown_modes():
-    "Storing dS does not change the dK/dV kernel's results; dQ differs only in summation order."
-    from rtrainer.attention import flash_attention_forward, flash_attention_backward
-    B, T, H, KV, hd = 2, 21, 6, 2, 16
-    q, k, v = fused_qkv_views(B, T, H, KV, hd)
-    do = torch.randn(B, T, H, hd)
-    o, lse = flash_attention_forward(q, k, v)
-    a = flash_attention_backward(do, q, k, v, o, lse, dq_from="recompute")
-    b = flash_attention_backward(do, q, k, v, o, lse, dq_from="ds", ds_budget=1)
-    assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
-    assert torch.allclose(a[0], b[0], rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="dq_from must be 'recompute' or 'ds'"):
-        flash_attention_backward(do, q, k, v, o, lse, dq_from="atomic")
-    assert attention.ds_buffer(q, k, budget=1).shape == (H // KV, 128, 128)          # one KV group at least
-    assert attention.ds_buffer(q, k).shape == (B * H, 128, 128)                      # every head under the default budget
-
 def test_registered_as_triton_attention():
     assert get_op("attention", "triton") is flash_attention
     q, k, v = fused_qkv_views(1, 9, 4, 2, 16)
@@ -108,8 +85,7 @@ def test_tuned_config_picks_by_head_dim_and_length():
     assert attention.tuned_config("forward", 16, 4 * L) == attention.tuned_config("forward", 64, 4 * L)   # 16 and 32 take 64's
     assert attention.tuned_config("dq", 64, L)["num_warps"] == 8 and attention.tuned_config("dq", 64, 1024)["num_warps"] == 4
     assert attention.tuned_config("forward", 64, L) == attention.tuned_config("forward", 64, 1024)      # one forward tile at head dim 64
-    assert {attention.backward_dq_from(hd, T) for hd in attention.SUPPORTED_HEAD_DIMS for T in (1, L)} <= {"recompute", "ds"}
-    for kernel in ("forward", "dq", "dkdv", "dq_ds"):
+    for kernel in ("forward", "dq", "dkdv"):
         for hd in attention.SUPPORTED_HEAD_DIMS:
             for T in (1, 1024, L - 1, L, 8192):
                 c = attention.tuned_config(kernel, hd, T)

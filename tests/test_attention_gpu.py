@@ -19,12 +19,10 @@ CASES = [  # B, T, H, KV, hd, dtype, causal
 ]
 
 @pytest.mark.parametrize("B,T,H,KV,hd,dtype,causal", CASES)
-@pytest.mark.parametrize("dq_from", ["recompute", "ds"])
-def test_flash_attention_gpu_parity(B, T, H, KV, hd, dtype, causal, dq_from):
+def test_flash_attention_gpu_parity(B, T, H, KV, hd, dtype, causal):
     if not torch.cuda.is_available(): pytest.skip("needs a CUDA GPU")
     from rtrainer.attention import attention_parity_errors
-    errors = attention_parity_errors(B, T, H, KV, hd, dtype, causal, device="cuda", dq_from=dq_from,
-                                     ds_budget=1 if T > 1000 else None)      # the longest cases in chunks of one KV head
+    errors = attention_parity_errors(B, T, H, KV, hd, dtype, causal, device="cuda")
     print(f"B{B} T{T} H{H} KV{KV} hd{hd} {dtype} causal={causal}:", {k: f"{e:.1e}" for k, e in errors.items()})
     assert max(errors.values()) < (1e-4 if dtype == torch.float32 else 1e-2), errors
 
