@@ -639,8 +639,8 @@ def scaling_suite(model="dense1b", world_sizes=None, batch_size=None, seq_len=10
 def loss_curve_suite(model="rb100m", engine="ddp", world_size=2, steps=200, batch_size=None, seq_len=1024, data=BUNDLED_DATA,
                      extra="--lr 6e-4 --warmup 20", window=20, device="cuda", save=True, timeout=3600):
     """One run (same seed, data and global batch `batch_size`) in one process and on `world_size` ranks under `engine`,
-    `steps` steps each; returns `compare_loss_curves` of the two (and saves it as 'dist_curves_MODEL_ENGINE').
-    `extra`: more `rtrainer train` flags for both, as one string."""
+    `steps` steps each, the process accumulating `world_size` micro-batches of the ranks' size; returns
+    `compare_loss_curves` of the two (and saves it as 'dist_curves_MODEL_ENGINE'). `extra`: more `rtrainer train` flags for both."""
     from rtrainer.kernels import save_results
     from rtrainer.model import REFERENCE_BATCH
     from rtrainer.profiling import tokens_per_s_from_metrics
@@ -653,7 +653,8 @@ def loss_curve_suite(model="rb100m", engine="ddp", world_size=2, steps=200, batc
     work = Path(tempfile.mkdtemp(prefix="rtrainer-curves-"))
     flags = [model, "--data", data, "--seq-len", str(seq_len), "--steps", str(steps), "--log-every", "1", "--eval-every", "0",
              "--no-progress", "--no-checkpoints", "--device", device, *shlex.split(extra)]
-    arms = {"one": [sys.executable, "-m", "rtrainer", "train", *flags, "--batch-size", str(batch_size), "--out-dir", str(work / "one")],
+    arms = {"one": [sys.executable, "-m", "rtrainer", "train", *flags, "--batch-size", str(batch_size // world_size),
+                    "--accumulation", str(world_size), "--out-dir", str(work / "one")],
             engine: torchrun_command(world_size, ["train", *flags, "--batch-size", str(batch_size // world_size), "--dp", engine,
                                                   "--out-dir", str(work / engine)], module="rtrainer.distributed")}
     losses = {}

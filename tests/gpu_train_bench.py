@@ -27,8 +27,9 @@ def run_arm(config, batch, impl, steps, seq_len, extra, data="synthetic"):
         return row
     try: tps, timed = tokens_per_s_from_metrics(metrics, steps // 2, batch * seq_len)   # the second half of the steps
     except NonFiniteLoss: row.update(status="rejected: non-finite loss"); return row
-    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines() if '"loss"' in line]
-    row["losses"] = [round(x, 5) for x in losses]
+    logged = [json.loads(line) for line in metrics.read_text().splitlines() if '"loss"' in line]
+    row["losses"] = [round(x["loss"], 5) for x in logged]
+    row["grad_norms"] = [round(x["grad_norm"], 5) for x in logged if x.get("grad_norm") is not None]
     mfus = [x["mfu"] for x in timed if x.get("mfu")]
     row.update(status="ok", tokens_per_s=tps, mfu=sum(mfus) / len(mfus) if mfus else None,
                peak_memory_gib=max((x.get("peak_memory_gib") or 0) for x in timed) or None, final_loss=timed[-1]["loss"])
