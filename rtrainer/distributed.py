@@ -651,12 +651,11 @@ def loss_curve_suite(model="rb100m", engine="ddp", world_size=2, steps=200, batc
     if device == "cuda" and (not torch.cuda.is_available() or torch.cuda.device_count() < world_size):
         raise ValueError(f"loss_curve_suite: world size {world_size} needs as many CUDA GPUs (device='cpu' runs gloo ranks instead)")
     work = Path(tempfile.mkdtemp(prefix="rtrainer-curves-"))
-    flags = [model, "--data", data, "--seq-len", str(seq_len), "--steps", str(steps), "--log-every", "1", "--eval-every", "0",
-             "--no-progress", "--no-checkpoints", "--device", device, *shlex.split(extra)]
-    arms = {"one": [sys.executable, "-m", "rtrainer", "train", *flags, "--batch-size", str(batch_size // world_size),
-                    "--accumulation", str(world_size), "--out-dir", str(work / "one")],
-            engine: torchrun_command(world_size, ["train", *flags, "--batch-size", str(batch_size // world_size), "--dp", engine,
-                                                  "--out-dir", str(work / engine)], module="rtrainer.distributed")}
+    flags = [model, "--data", data, "--batch-size", str(batch_size // world_size), "--seq-len", str(seq_len), "--steps", str(steps),
+             "--log-every", "1", "--eval-every", "0", "--no-progress", "--no-checkpoints", "--device", device, *shlex.split(extra)]
+    arms = {"one": [sys.executable, "-m", "rtrainer", "train", *flags, "--accumulation", str(world_size), "--out-dir", str(work / "one")],
+            engine: torchrun_command(world_size, ["train", *flags, "--dp", engine, "--out-dir", str(work / engine)],
+                                     module="rtrainer.distributed")}
     losses = {}
     for name, cmd in arms.items():
         subprocess.run(cmd, env=worker_environment(), check=True, timeout=timeout)

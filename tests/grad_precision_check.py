@@ -10,6 +10,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rtrainer.model import TransformerLm, model_config
 from rtrainer.kernels import gradient_fp32, save_results, start_gradient_step
+from rtrainer.optimizer import grad_norm_reference
 
 CONFIG, B, T, VOCAB = os.environ.get("GRAD_CONFIG", "rb100m"), int(os.environ.get("GRAD_B", 32)), int(os.environ.get("GRAD_T", 1024)), 50257
 DEVICE = os.environ.get("GRAD_DEVICE", "cuda")     # GRAD_DEVICE=cpu TRITON_INTERPRET=1 GRAD_CONFIG=tiny: a smoke test
@@ -37,13 +38,13 @@ def main():
     weights = {n: p.detach().clone() for n, p in init.named_parameters()}   # bf16 matrices, fp32 norms
     del init
     ref, ref_loss = gradients("torch", "fp32", 1, ids, weights)
-    ref_norm = torch.sqrt(sum(g.double().square().sum() for g in ref.values())).item()
+    ref_norm = grad_norm_reference(list(ref.values())).item()
     print(f"reference (torch ops, fp32): loss {ref_loss:.6f}, gradient norm {ref_norm:.6f}", flush=True)
     rows = []
     for arm, impl, precision, micro in (("triton B32", "triton", "bf16", 1), ("triton 2x16", "triton", "bf16", 2),
                                          ("torch bf16 B32", "torch", "bf16", 1)):
         got, loss = gradients(impl, precision, micro, ids, weights)
-        norm = torch.sqrt(sum(g.double().square().sum() for g in got.values())).item()
+        norm = grad_norm_reference(list(got.values())).item()
         per = []
         for n, g in got.items():
             r = ref[n].double(); g = g.double()
