@@ -30,7 +30,7 @@ if [ "$count" -eq 0 ]; then echo "FAIL: no notebooks found"; failed=$((failed+1)
 start=$SECONDS
 "$BIN/nbdev-test" --n-workers 2 --timing >"$LOGS/nbdev-test.log" 2>&1
 nb_status=$?
-cat "$LOGS/nbdev-test.log" | grep -v '^\s*$' | tail -n 40
+cat "$LOGS/nbdev-test.log" | grep -v '^\s*$' | tail -n $([ $nb_status -eq 0 ] && echo 40 || echo 400)   # a failure shows more: a child process's last words come before the traceback
 nb_failed=$(sed -n '/Failed On The Following Notebooks/,$p' "$LOGS/nbdev-test.log" | grep -c '\.ipynb')
 if grep -q "No files were eligible" "$LOGS/nbdev-test.log"; then echo "FAIL: nbdev-test ran no notebook"; nb_failed=$count; fi
 if [ $nb_status -ne 0 ] && [ "$nb_failed" -eq 0 ]; then nb_failed=$count; fi
