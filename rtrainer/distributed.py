@@ -570,17 +570,18 @@ def benchmark_suite(model="dense1b", batch_size=16, seq_len=1024, steps=16, roun
     unknown = [e for e in engines if e not in DATA_PARALLEL]
     if unknown: raise ValueError(f"benchmark_suite: unknown engines {unknown}; choose from {', '.join(DATA_PARALLEL)}")
     from rtrainer.kernels import save_results, alternation
-    work = Path(tempfile.mkdtemp())
-    flags = throughput_flags(model, batch_size, seq_len, steps, impl)
-    arms = ["plain", *engines]
-    runs = {arm: [] for arm in arms}
-    for r in range(rounds):
-        for arm in alternation(arms, r):
-            out = work / f"{arm}-{r}"
-            cmd = ([sys.executable, "-m", "rtrainer", "train", *flags, "--out-dir", str(out)] if arm == "plain" else
-                   torchrun_command(1, ["train", *flags, "--dp", arm, "--out-dir", str(out)], module="rtrainer.distributed"))
-            runs[arm].append(_train_arm(cmd, out, steps // 2, batch_size * seq_len))
-            print(f"round {r + 1}/{rounds} {ENGINE_LABELS[arm]}: {runs[arm][-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
+    with tempfile.TemporaryDirectory(prefix="rtrainer-engines-") as tmp:
+        work = Path(tmp)
+        flags = throughput_flags(model, batch_size, seq_len, steps, impl)
+        arms = ["plain", *engines]
+        runs = {arm: [] for arm in arms}
+        for r in range(rounds):
+            for arm in alternation(arms, r):
+                out = work / f"{arm}-{r}"
+                cmd = ([sys.executable, "-m", "rtrainer", "train", *flags, "--out-dir", str(out)] if arm == "plain" else
+                       torchrun_command(1, ["train", *flags, "--dp", arm, "--out-dir", str(out)], module="rtrainer.distributed"))
+                runs[arm].append(_train_arm(cmd, out, steps // 2, batch_size * seq_len))
+                print(f"round {r + 1}/{rounds} {ENGINE_LABELS[arm]}: {runs[arm][-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
     rows = engine_rows(arms, runs)
     if save: save_results("distributed", rows, model=model, batch_size=batch_size, seq_len=seq_len, steps=steps, impl=impl,
                           rounds=rounds, method="each arm its own process, alternated by round; tokens/s over the second half of the steps")
@@ -619,16 +620,17 @@ def scaling_suite(model="dense1b", world_sizes=None, batch_size=None, seq_len=10
     world_sizes = sorted(set(world_sizes or [1, 2]))
     if world_sizes[0] < 1: raise ValueError(f"scaling_suite: world sizes must be at least 1, got {world_sizes}")
     batch_size = batch_size or REFERENCE_BATCH.get(model, 8)
-    work = Path(tempfile.mkdtemp(prefix="rtrainer-scaling-"))
-    flags = throughput_flags(model, batch_size, seq_len, steps, impl) + ["--device", device, "--dp", engine]
-    runs = {n: [] for n in world_sizes}
-    for r in range(rounds):
-        for n in alternation(world_sizes, r):
-            out = work / f"n{n}-{r}"
-            cmd = torchrun_command(n, ["train", *flags, "--out-dir", str(out)], module="rtrainer.distributed")
-            runs[n].append(_train_arm(cmd, out, steps // 2, batch_size * seq_len * n, timeout))
-            print(f"round {r + 1}/{rounds} {ENGINE_LABELS[engine]} on {n}: {runs[n][-1]['tokens_per_s']:,.0f} tokens/s "
-                  f"({runs[n][-1]['tokens_per_s'] / n:,.0f} per rank)", flush=True)
+    with tempfile.TemporaryDirectory(prefix="rtrainer-scaling-") as tmp:
+        work = Path(tmp)
+        flags = throughput_flags(model, batch_size, seq_len, steps, impl) + ["--device", device, "--dp", engine]
+        runs = {n: [] for n in world_sizes}
+        for r in range(rounds):
+            for n in alternation(world_sizes, r):
+                out = work / f"n{n}-{r}"
+                cmd = torchrun_command(n, ["train", *flags, "--out-dir", str(out)], module="rtrainer.distributed")
+                runs[n].append(_train_arm(cmd, out, steps // 2, batch_size * seq_len * n, timeout))
+                print(f"round {r + 1}/{rounds} {ENGINE_LABELS[engine]} on {n}: {runs[n][-1]['tokens_per_s']:,.0f} tokens/s "
+                      f"({runs[n][-1]['tokens_per_s'] / n:,.0f} per rank)", flush=True)
     rows = scaling_rows(world_sizes, runs)
     if save: save_results(f"scaling_{model}_{engine}", rows, model=model, engine=engine, batch_size_per_gpu=batch_size, seq_len=seq_len,
                           steps=steps, impl=impl, rounds=rounds, method="weak scaling: each world size its own torchrun, "
@@ -650,21 +652,21 @@ def loss_curve_suite(model="rb100m", engine="ddp", world_size=2, steps=200, batc
         raise ValueError(f"loss_curve_suite: the global batch {batch_size} must split evenly over a world size of at least 2, got {world_size}")
     if device == "cuda" and (not torch.cuda.is_available() or torch.cuda.device_count() < world_size):
         raise ValueError(f"loss_curve_suite: world size {world_size} needs as many CUDA GPUs (device='cpu' runs gloo ranks instead)")
-    work = Path(tempfile.mkdtemp(prefix="rtrainer-curves-"))
-    flags = [model, "--data", data, "--batch-size", str(batch_size // world_size), "--seq-len", str(seq_len), "--steps", str(steps),
-             "--log-every", "1", "--eval-every", "0", "--no-progress", "--no-checkpoints", "--device", device, *shlex.split(extra)]
-    arms = {"one": [sys.executable, "-m", "rtrainer", "train", *flags, "--accumulation", str(world_size), "--out-dir", str(work / "one")],
-            engine: torchrun_command(world_size, ["train", *flags, "--dp", engine, "--out-dir", str(work / engine)],
-                                     module="rtrainer.distributed")}
-    losses = {}
-    for name, cmd in arms.items():
-        subprocess.run(cmd, env=worker_environment(), check=True, timeout=timeout)
-        _, rows = tokens_per_s_from_metrics(work / name / "metrics.jsonl", 0, 1)   # every step's row; refuses a non-finite loss
-        losses[name] = [r["loss"] for r in rows]
-        print(f"{name}: {len(losses[name])} steps, last loss {losses[name][-1]:.4f}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="rtrainer-curves-") as tmp:
+        work = Path(tmp)
+        flags = [model, "--data", data, "--batch-size", str(batch_size // world_size), "--seq-len", str(seq_len), "--steps", str(steps),
+                 "--log-every", "1", "--eval-every", "0", "--no-progress", "--no-checkpoints", "--device", device, *shlex.split(extra)]
+        arms = {"one": [sys.executable, "-m", "rtrainer", "train", *flags, "--accumulation", str(world_size), "--out-dir", str(work / "one")],
+                engine: torchrun_command(world_size, ["train", *flags, "--dp", engine, "--out-dir", str(work / engine)],
+                                         module="rtrainer.distributed")}
+        losses = {}
+        for name, cmd in arms.items():
+            subprocess.run(cmd, env=worker_environment(), check=True, timeout=timeout)
+            _, rows = tokens_per_s_from_metrics(work / name / "metrics.jsonl", 0, 1)   # every step's row; refuses a non-finite loss
+            losses[name] = [r["loss"] for r in rows]
+            print(f"{name}: {len(losses[name])} steps, last loss {losses[name][-1]:.4f}", flush=True)
     curve = compare_loss_curves(losses["one"], losses[engine], window)
     if save and curve:
         save_results(f"dist_curves_{model}_{engine}", [dict(curve, world_size=world_size)], model=model, engine=engine,
                      batch_size=batch_size, seq_len=seq_len, steps=steps, data=str(data), extra=extra, losses=losses)
-    shutil.rmtree(work, ignore_errors=True)
     return curve

@@ -4,7 +4,12 @@
 set -u
 cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
-LOGS=$(mktemp -d)
+# Every temporary file of the run (the chapters' scratch folders, torchrun's, pytest's, the compile caches) goes under
+# one folder that is removed at exit, pass or fail, so repeated runs do not fill the disk.
+SCRATCH=$(mktemp -d -t rtrainer-tests-XXXXXX)
+trap 'rm -rf "$SCRATCH"' EXIT
+export TMPDIR="$SCRATCH"
+LOGS="$SCRATCH/logs"; mkdir -p "$LOGS"
 export TRITON_INTERPRET=1 PYTHONUNBUFFERED=1
 passed=0; failed=0
 
@@ -52,6 +57,5 @@ PY
 )
 echo "pytest: $((t_total-t_fail)) passed, $t_fail failed in $((SECONDS-start)) s"
 passed=$((passed+t_total-t_fail)); failed=$((failed+t_fail))
-rm -rf "$LOGS"
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
