@@ -91,6 +91,8 @@ class TrainConfig:
         if self.lr <= 0: raise ValueError(f"--lr must be positive, got {self.lr}")
         if not 0 <= self.floor <= 1: raise ValueError(f"--floor must be between 0 and 1, got {self.floor}")
         if self.resume and self.init_from: raise ValueError("--resume and --init-from are exclusive: resume continues a run, init-from starts a new one")
+        for flag, path in (("--resume", self.resume), ("--init-from", self.init_from), ("--sft", self.sft)):
+            if path and not Path(path).exists(): raise FileNotFoundError(f"{flag} {path}: no such file or folder")   # before any data is prepared
         if isinstance(self.cuda_graph, bool): self.cuda_graph = "on" if self.cuda_graph else "off"   # Python callers' True/False
         if self.cuda_graph not in SWITCH: raise ValueError(f"cuda_graph must be one of {SWITCH}, got {self.cuda_graph!r}")
         return self

@@ -145,6 +145,10 @@ def test_cli_errors(tmp_path, capsys):
     assert "no manifest.json" in capsys.readouterr().err
     assert cli("train", "--data", "synthetic", "--resume", "x", "--init-from", "y", "--no-progress") == 2
     assert "exclusive" in capsys.readouterr().err
+    for flag in ("--resume", "--init-from", "--sft"):     # refused before the bundled corpus would be prepared
+        assert cli("train", flag, tmp_path / "missing", "--out-dir", tmp_path / "o", "--no-progress") == 2
+        assert f"{flag} {tmp_path / 'missing'}: no such file or folder" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
     assert cli("train", "--steps", "0", "--data", "synthetic", "--no-progress") == 2
     assert "--steps must be positive" in capsys.readouterr().err
     assert cli("train", "nonexistent-preset", "--data", "synthetic", "--no-progress") == 2
