@@ -4,7 +4,7 @@
 # Each run goes in its own temporary folder with core dumps on; a failed run's log (and core, if one was written)
 # is kept under ${KEEP:-/tmp/rtrainer-stress}/. Last line: "N runs, F failed".
 #
-# Seen on the 2-core CPU machine (2026-11-30): 2 failures in about 950 runs, 2 or 3 loops side by side. Both times rank 1
+# Seen on the 2-core CPU machine (2026-11-30): 2 failures in about 800 runs (500 of this exact command), 2 or 3 loops side by side. Both times rank 1
 # died with SIGABRT after "terminate called without an active exception" while rank 0 was still running; Python's
 # faulthandler showed rank 1's main thread with no Python frame, so the abort most likely came from a C++ thread
 # during interpreter teardown (rank 1 leaves the training loop well before rank 0, which writes the loss curve).
