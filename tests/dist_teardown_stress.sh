@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Repeats the distributed chapter's CPU DDP run (2 gloo ranks, tiny, 12 steps) to catch a rare abort of one rank.
 # Usage: bash tests/dist_teardown_stress.sh RUNS [PARALLEL]   (from the repository root; .venv installed)
-# Each run goes in its own temporary folder with core dumps on; a failed run's log (and core, if one was written)
+# Each run goes in its own temporary folder (torchrun's own temporary files too) with core dumps on; a failed run's log (and core, if one was written)
 # is kept under ${KEEP:-/tmp/rtrainer-stress}/. Last line: "N runs, F failed".
 #
 # Seen on the 2-core CPU machine (2026-11-30): 2 failures in about 800 runs (500 of this exact command), 2 or 3 loops side by side. Both times rank 1
@@ -15,7 +15,7 @@ loop() {
   local fails=0
   for i in $(seq 1 "$1"); do
     local d; d=$(mktemp -d); cd "$d" || exit 1
-    (ulimit -c unlimited; PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 "$root/.venv/bin/python" -m torch.distributed.run --standalone \
+    (ulimit -c unlimited; TMPDIR="$d" PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 "$root/.venv/bin/python" -m torch.distributed.run --standalone \
       --nproc-per-node 2 -m rtrainer.distributed train tiny --data synthetic --batch-size 2 --seq-len 32 --steps 12 \
       --log-every 1 --eval-every 0 --no-progress --no-checkpoints --device cpu --vocab-size 512 --lr 1e-2 --warmup 2 \
       --dp ddp --out-dir "$d/ddp" > "$d/log" 2>&1)
