@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from rtrainer.attention import (fused_qkv_views, flash_attention_forward, flash_attention_backward, flash_attention,
                                 attention_flops, attention_reference, tuned_config, config_kwargs, _sdpa_attention, LOG2_E,
-                                _query_block, REFERENCE_ATTENTION_SHAPES, SWEEP_TOKENS, SWEEP_HEADS)
+                                _query_block, _unit_stride, _precision, REFERENCE_ATTENTION_SHAPES, SWEEP_TOKENS, SWEEP_HEADS)
 from rtrainer.kernels import median_ms, ratio_interval, relative_error, save_results
 
 ROUNDS = 3
@@ -35,7 +35,7 @@ FAILED = {}                     # (head dim, config) -> why it did not compile o
 @triton.jit
 def _ds_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, ds_base, stride_qt, stride_dot, stride_dsk,
                 k_pos, lo, hi, T, scale_log2, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-                WRITE_DS: tl.constexpr, PRECISION: tl.constexpr):
+                PRECISION: tl.constexpr):
     offs_d = tl.arange(0, HEAD_DIM)
     for start_m in range(lo, hi, BLOCK_M):
         q_pos = start_m + tl.arange(0, BLOCK_M)
@@ -51,20 +51,19 @@ def _ds_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, ds_base,
         dv += tl.dot(pT.to(do.dtype), do, input_precision=PRECISION)                       # (BLOCK_N, hd)
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)                 # (BLOCK_N, BLOCK_M)
         dsT = (pT * (dpT - delta[None, :])).to(q.dtype)                 # rounded as the dQ kernel rounds it
-        if WRITE_DS:                                                       # dS^T tile, for dQ = dS K afterwards
-            tl.store(ds_base + k_pos[:, None] * stride_dsk + q_pos[None, :], dsT)
+        tl.store(ds_base + k_pos[:, None] * stride_dsk + q_pos[None, :], dsT)    # dS^T tile, for dQ = dS K afterwards
         dk += tl.dot(dsT, q, input_precision=PRECISION)
     return dk, dv
 
 @triton.jit
 def ds_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,                    # dk/dv (B,T,KV,hd) contiguous, summed over the group's query heads
-    DS,                                                 # WRITE_DS: dS^T per query head of this launch's KV heads, (keys, queries)
+    DS,                                                 # dS^T per query head of this launch's KV heads, (keys, queries)
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_dob, stride_dot, stride_doh, stride_dkb, stride_dkt, stride_dkh, stride_dsh, stride_dsk,
     H, KV, T, GROUP, scale_log2, sm_scale, FIRST_BKV,   # FIRST_BKV: this launch's first b * KV + kv head
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, WRITE_DS: tl.constexpr, PRECISION: tl.constexpr):
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     bkv = tl.program_id(1) + FIRST_BKV
     b, kvh = (bkv // KV).to(tl.int64), (bkv % KV).to(tl.int64)
@@ -88,12 +87,12 @@ def ds_dkdv_kernel(
         ds_base = DS + (tl.program_id(1) * GROUP + g).to(tl.int64) * stride_dsh
         if CAUSAL:
             dk, dv = _ds_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, ds_base, stride_qt, stride_dot,
-                                 stride_dsk, k_pos, start_n, diag_end, T, scale_log2, BLOCK_M, HEAD_DIM, True, WRITE_DS, PRECISION)
+                                 stride_dsk, k_pos, start_n, diag_end, T, scale_log2, BLOCK_M, HEAD_DIM, True, PRECISION)
             dk, dv = _ds_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, ds_base, stride_qt, stride_dot,
-                                 stride_dsk, k_pos, start_n + BLOCK_N, T, T, scale_log2, BLOCK_M, HEAD_DIM, False, WRITE_DS, PRECISION)
+                                 stride_dsk, k_pos, start_n + BLOCK_N, T, T, scale_log2, BLOCK_M, HEAD_DIM, False, PRECISION)
         else:
             dk, dv = _ds_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, ds_base, stride_qt, stride_dot,
-                                 stride_dsk, k_pos, 0, T, T, scale_log2, BLOCK_M, HEAD_DIM, False, WRITE_DS, PRECISION)
+                                 stride_dsk, k_pos, 0, T, T, scale_log2, BLOCK_M, HEAD_DIM, False, PRECISION)
     out = b * stride_dkb + kvh * stride_dkh + k_pos[:, None] * stride_dkt + offs_d[None, :]
     tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=k_pos[:, None] < T)
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=k_pos[:, None] < T)
@@ -147,10 +146,10 @@ def dq_from_ds_kernel(
 # ---------------------------------------------------------------------------------------------------------- launchers
 def ds_backward(do, q, k, v, o, lse, causal=True, dq=None, dk=None, dv=None, ds_budget=DS_BUDGET_BYTES, dq_config=DQ_DS_CONFIGS[0]):
     "delta, then per chunk of KV heads (dS under `ds_budget` bytes) dK/dV storing dS^T and dQ = dS K; (dq, dk, dv)."
-    do, q, k, v, o = (t if t.stride(-1) == 1 else t.contiguous() for t in (do, q, k, v, o))
+    do, q, k, v, o = (_unit_stride(t) for t in (do, q, k, v, o))
     B, T, H, hd = q.shape
     KV = k.shape[2]
-    group, sm_scale, precision = H // KV, 1.0 / math.sqrt(hd), "ieee" if q.dtype == torch.float32 else "tf32"
+    group, sm_scale, precision = H // KV, 1.0 / math.sqrt(hd), _precision(q.dtype)
     dq = torch.empty(B, T, H, hd, dtype=q.dtype, device=q.device) if dq is None else dq
     dk = torch.empty(B, T, KV, hd, dtype=q.dtype, device=q.device) if dk is None else dk
     dv = torch.empty(B, T, KV, hd, dtype=q.dtype, device=q.device) if dv is None else dv
@@ -165,7 +164,7 @@ def ds_backward(do, q, k, v, o, lse, causal=True, dq=None, dk=None, dv=None, ds_
         ds_dkdv_kernel[(triton.cdiv(T, kv_config["BLOCK_N"]), n)](
             q, k, v, do, lse, delta, dk, dv, ds, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
             *dk.stride()[:3], *ds.stride()[:2], H, KV, T, group, sm_scale * LOG2_E, sm_scale, first,
-            HEAD_DIM=hd, CAUSAL=causal, WRITE_DS=True, PRECISION=precision, **kv_config)
+            HEAD_DIM=hd, CAUSAL=causal, PRECISION=precision, **kv_config)
         dq_from_ds_kernel[(triton.cdiv(T, dq_kw["BLOCK_M"]), n * group)](
             ds, k, dq, *ds.stride()[:2], *k.stride()[:3], *dq.stride()[:3], H, T, group, sm_scale, first * group,
             HEAD_DIM=hd, CAUSAL=causal, PRECISION=precision, **dq_kw)
