@@ -57,6 +57,7 @@ for s in "$@"; do case $s in
   grad-release) stage grad_release ${RELEASE_LIMIT:-300} $PY tests/grad_release_check.py ;;   # free vs keep the fp32 gradient buffers between steps, and expandable segments: $OUT/grad_release_check.json
   attention-long-forward) stage attention_long_forward 150 $PY tests/attention_long_forward.py ;;   # the two forward tiles at T 2048-8192, paired, timed as the benchmark does: $OUT/attention_long_forward.json
   attention-configs) stage attention_configs ${CONFIGS_LIMIT:-300} $PY tests/attention_configs.py ;;   # block-size / warps / stages / register-cap sweep of the three kernels: $OUT/attention_configs.json
+  attention-ws) stage attention_ws ${WS_LIMIT:-420} $PY tests/attention_ws.py ;;   # warp-specialized Gluon forward, dQ and dK/dV (a loader warp, two consumer warpgroups), checked, then timed vs rtrainer and cuDNN: $OUT/attention_ws.json
   attention-ds) stage attention_ds ${DS_LIMIT:-300} $PY tests/attention_ds_variants.py ;;   # dQ from a stored dS against the recomputing backward, and both against cuDNN: data/results/attention_ds_variants.json
   attention-math) stage attention_math ${MATH_LIMIT:-480} $PY tests/attention_math_variants.py ;;   # instruction-count forward and atomic-dQ backward variants: $OUT/attention_math_variants.json
   optimizer-full) stage bench_optimizer_full ${OPT_LIMIT:-150} $PY -c "from rtrainer.optimizer import benchmark_suite; benchmark_suite()" ;;

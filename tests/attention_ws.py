@@ -1,0 +1,577 @@
+"""Warp-specialized flash attention in Gluon: a loader warp and two consumer warpgroups per program.
+
+Why: at head dim 128 rtrainer's Triton kernels trail cuDNN (forward 336 against 459 TFLOP/s, backward 280 against
+321 at dense1b). The Gluon kernels of `attention_gluon.py` placed the wgmma waits by hand in one warpgroup and lost;
+what they lacked is the structure of the fastest Hopper kernels: one warp does nothing but issue TMA copies into a
+ring of shared-memory slots, and two warpgroups, each owning its own rows, consume the slots. While one warpgroup
+runs its softmax (or its exponentials and dS) on the ALUs, the other's wgmma keeps the tensor cores busy; the warp
+scheduler does the interleaving, no wait placed by hand is needed for it.
+
+Kernels (head dim 64 or 128, bf16, causal):
+- forward: a program owns 2 x BLOCK_M query rows (one tile of BLOCK_M per consumer); the loader streams K and V blocks
+  of BLOCK_N keys; each consumer runs the online softmax over its key blocks (the ones that reach its diagonal
+  masked) and frees a slot when both have used it (an mbarrier of count 2).
+- dK/dV: a program owns 2 x BLOCK_N keys (one tile per consumer); the loader streams Q, dO blocks (and their lse and
+  δ rows) of every query head in the group from the first block that sees the keys.
+- dQ: a program owns 2 x BLOCK_M query rows; the loader streams K and V blocks, as in the forward; δ comes from a
+  small kernel of rtrainer's (`flash_backward_delta` if present) or from torch.
+
+`python tests/attention_ws.py --compile` compiles every variant for sm_90 without a GPU (registers per partition
+are what ptxas prints for the whole kernel; spills are the useful number). On a GPU it first runs each kernel's
+variants once in a child process with a time limit (an mbarrier mistake hangs rather than fails), checks every
+variant that finished against float64 at odd shapes, then times the passing ones against rtrainer's kernels and
+cuDNN, alternated, at the reference shapes (writes $OUT/attention_ws.json; a short table last).
+
+This is an experiment, not part of rtrainer."""
+import json, math, os, re, statistics, subprocess, sys, time
+import torch
+import triton
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait
+from attention_gluon import _descriptor, _layout, _online_softmax, _compile_sm90, _alternate, _ratios, reference
+
+ROUNDS = 5
+CONSUMER_WARPS = 4
+LOADER_REGS = gl.constexpr(24)
+# variants: (BLOCK_M rows per consumer, BLOCK_N keys per slot, STAGES, registers per consumer thread)
+FORWARD_CONFIGS = {64: [(64, 128, 2, 240), (64, 64, 3, 240)], 128: [(64, 128, 2, 240), (64, 64, 3, 240), (64, 64, 4, 240)]}
+# (BLOCK_N keys per consumer, BLOCK_M queries per slot, STAGES, registers)
+DKDV_CONFIGS = {64: [(64, 64, 2, 240)], 128: [(64, 64, 2, 240), (64, 32, 3, 240), (64, 32, 4, 240)]}
+# (BLOCK_M rows per consumer, BLOCK_N keys per slot, STAGES, registers)
+DQ_CONFIGS = {64: [(64, 64, 2, 240)], 128: [(64, 64, 2, 240), (64, 64, 3, 240)]}
+LOG2E = 1.4426950408889634
+
+
+@gluon.jit
+def _ring_barriers(n: gl.constexpr, count: gl.constexpr):
+    bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(n):
+        mbarrier.init(bars.index(i), count=count)
+    return bars
+
+@gluon.jit
+def _query_pair(H, GROUP, BLOCK_M: gl.constexpr):
+    "(first row of this program's 2 x BLOCK_M query rows, batch, query head, KV head); grid (query pairs, B*H)."
+    bh = gl.program_id(1)
+    return gl.program_id(0) * 2 * BLOCK_M, bh // H, bh % H, (bh % H) // GROUP
+
+# ---- forward ---------------------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, H, T, GROUP,
+                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    start_m, b, h, kvh = _query_pair(H, GROUP, BLOCK_M)
+    row0 = b * T
+    for c in gl.static_range(2):
+        mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row0 + start_m + c * BLOCK_M, h * HEAD_DIM], q_bar.index(c), q_smem.index(c))
+    n = gl.cdiv(gl.minimum(start_m + 2 * BLOCK_M, T), BLOCK_N)
+    for j in range(n):
+        slot = j % STAGES
+        mbarrier.wait(free_bar.index(slot), ((j // STAGES) & 1) ^ 1)   # a fresh barrier passes phase 1 at once
+        mbarrier.expect(k_bar.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row0 + j * BLOCK_N, kvh * HEAD_DIM], k_bar.index(slot), k_smem.index(slot))
+        mbarrier.expect(v_bar.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [row0 + j * BLOCK_N, kvh * HEAD_DIM], v_bar.index(slot), v_smem.index(slot))
+
+@gluon.jit
+def _fwd_step(j, q_tile, k_smem, v_smem, k_bar, v_bar, free_bar, acc, m_i, l_i, q_pos, zero_s, scale_log2,
+              s_cols: gl.constexpr, p_layout: gl.constexpr, o_rows: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr):
+    slot = j % STAGES
+    phase = (j // STAGES) & 1
+    mbarrier.wait(k_bar.index(slot), phase)
+    s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+    if MASK:
+        k_pos = j * BLOCK_N + gl.arange(0, BLOCK_N, s_cols)
+        s = gl.where(gl.expand_dims(q_pos, 1) >= gl.expand_dims(k_pos, 0), s, float("-inf"))
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, scale_log2)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+    mbarrier.wait(v_bar.index(slot), phase)
+    acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_layout), v_smem.index(slot), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    mbarrier.arrive(free_bar.index(slot), count=1)
+    return acc, m_i, l_i
+
+@gluon.jit
+def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, O, LSE, stride_ob, stride_ot, stride_oh,
+                  H, T, GROUP, scale_log2, C: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    NW: gl.constexpr = 4
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
+    pair_m, b, h, kvh = _query_pair(H, GROUP, BLOCK_M)
+    start = pair_m + C * BLOCK_M
+    n = gl.cdiv(gl.minimum(start + BLOCK_M, T), BLOCK_N)      # key blocks up to this tile's diagonal
+    n_full = gl.minimum(start // BLOCK_N, n)                 # key blocks wholly at or before the tile's first row
+    q_pos = start + gl.arange(0, BLOCK_M, s_rows)
+    m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, s_rows)
+    l_i = gl.zeros([BLOCK_M], gl.float32, s_rows)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    q_tile = q_smem.index(C)
+    mbarrier.wait(q_bar.index(C), 0)
+    for j in range(0, n_full):
+        acc, m_i, l_i = _fwd_step(j, q_tile, k_smem, v_smem, k_bar, v_bar, free_bar, acc, m_i, l_i, q_pos, zero_s, scale_log2,
+                                  s_cols, p_layout, o_rows, BLOCK_N, STAGES, False)
+    for j in range(n_full, n):
+        acc, m_i, l_i = _fwd_step(j, q_tile, k_smem, v_smem, k_bar, v_bar, free_bar, acc, m_i, l_i, q_pos, zero_s, scale_log2,
+                                  s_cols, p_layout, o_rows, BLOCK_N, STAGES, True)
+    acc = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
+    rows = start + gl.arange(0, BLOCK_M, o_rows)
+    cols = gl.arange(0, HEAD_DIM, o_cols)
+    o_ptrs = O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh + gl.expand_dims(rows, 1) * stride_ot + gl.expand_dims(cols, 0)
+    gl.store(o_ptrs, acc.to(gl.bfloat16), mask=gl.expand_dims(rows, 1) < T)
+    gl.store(LSE + (b * H + h).to(gl.int64) * T + q_pos, (m_i + gl.log2(l_i)) / 1.4426950408889634, mask=q_pos < T)
+
+@gluon.jit
+def ws_forward_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot, stride_oh, H, T, GROUP, scale_log2,
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                      REGS: gl.constexpr, num_warps: gl.constexpr):
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = _ring_barriers(2, 1)
+    k_bar = _ring_barriers(STAGES, 1)
+    v_bar = _ring_barriers(STAGES, 1)
+    free_bar = _ring_barriers(STAGES, 2)                  # both consumers release a slot
+    gl.warp_specialize([
+        (_fwd_consumer, (q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, O, LSE, stride_ob, stride_ot, stride_oh, H, T,
+                         GROUP, scale_log2, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+        (_fwd_consumer, (q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, O, LSE, stride_ob, stride_ot, stride_oh, H, T,
+                         GROUP, scale_log2, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+        (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, H, T, GROUP,
+                       HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+    ], [4, 1], [REGS, LOADER_REGS])
+
+def ws_forward(q, k, v, variant=0):
+    "Causal forward, bf16: (o, lse) like rtrainer's flash_attention_forward; `variant` indexes FORWARD_CONFIGS[head dim]."
+    B, T, H, hd = q.shape
+    block_m, block_n, stages, regs = FORWARD_CONFIGS[hd][variant]
+    o = torch.empty(B, T, H, hd, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
+    ws_forward_kernel[(triton.cdiv(T, 2 * block_m), B * H)](
+        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), o, lse, *o.stride()[:3], H, T, H // k.shape[2],
+        LOG2E / hd ** 0.5, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, REGS=regs, num_warps=CONSUMER_WARPS)
+    return o, lse
+
+
+# ---- dK/dV -----------------------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_bar, do_bar, free_bar,
+                 KV, T, GROUP, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    start_n = gl.program_id(0) * 2 * BLOCK_N
+    b = gl.program_id(1) // KV
+    kvh = gl.program_id(1) % KV
+    row0 = b * T
+    for c in gl.static_range(2):
+        mbarrier.expect(kv_bar.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row0 + start_n + c * BLOCK_N, kvh * HEAD_DIM], kv_bar.index(c), k_smem.index(c))
+        tma.async_copy_global_to_shared(v_desc, [row0 + start_n + c * BLOCK_N, kvh * HEAD_DIM], kv_bar.index(c), v_smem.index(c))
+    first_i = start_n // BLOCK_M
+    n_i = gl.cdiv(T, BLOCK_M) - first_i
+    for u in range(GROUP * n_i):
+        slot = u % STAGES
+        mbarrier.wait(free_bar.index(slot), ((u // STAGES) & 1) ^ 1)
+        h = kvh * GROUP + u // n_i
+        row = row0 + (first_i + u % n_i) * BLOCK_M
+        mbarrier.expect(q_bar.index(slot), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row, h * HEAD_DIM], q_bar.index(slot), q_smem.index(slot))
+        mbarrier.expect(do_bar.index(slot), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [row, h * HEAD_DIM], do_bar.index(slot), do_smem.index(slot))
+
+@gluon.jit
+def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, q_bar, do_bar, free_bar, LSE, DELTA, DK, DV,
+                   stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, scale_log2, sm_scale, C: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    NW: gl.constexpr = 4
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
+    key_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    query_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    pair_n = gl.program_id(0) * 2 * BLOCK_N
+    start_n = pair_n + C * BLOCK_N
+    b = gl.program_id(1) // KV
+    kvh = gl.program_id(1) % KV
+    first_i = pair_n // BLOCK_M                      # the loader's first query block (the pair's)
+    n_i = gl.cdiv(T, BLOCK_M) - first_i
+    k_pos = start_n + gl.arange(0, BLOCK_N, key_rows)
+    zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, a_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, a_layout)
+    k_tile = k_smem.index(C)
+    v_tile = v_smem.index(C)
+    mbarrier.wait(kv_bar.index(C), 0)
+    for u in range(GROUP * n_i):
+        slot = u % STAGES
+        phase = (u // STAGES) & 1
+        qi = first_i + u % n_i
+        mbarrier.wait(q_bar.index(slot), phase)
+        if (qi + 1) * BLOCK_M > start_n:             # else every query of the block precedes these keys
+            sT = warpgroup_mma(k_tile, q_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            mbarrier.wait(do_bar.index(slot), phase)
+            dpT = warpgroup_mma(v_tile, do_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            sT = warpgroup_mma_wait(num_outstanding=1, deps=[sT])
+            q_pos = qi * BLOCK_M + gl.arange(0, BLOCK_M, query_cols)
+            head = (b * H + kvh * GROUP + u // n_i).to(gl.int64) * T
+            lse2 = gl.load(LSE + head + q_pos, mask=q_pos < T, other=float("inf")) * 1.4426950408889634
+            delta = gl.load(DELTA + head + q_pos, mask=q_pos < T, other=0.0)
+            pT = gl.exp2(sT * scale_log2 - gl.expand_dims(lse2, 0))
+            if qi * BLOCK_M < start_n + BLOCK_N:     # the block reaches the diagonal
+                pT = gl.where(gl.expand_dims(q_pos, 0) >= gl.expand_dims(k_pos, 1), pT, 0.0)
+            dv = warpgroup_mma(gl.convert_layout(pT.to(gl.bfloat16), p_layout), do_smem.index(slot), dv, is_async=True)
+            dpT = warpgroup_mma_wait(num_outstanding=1, deps=[dpT])
+            dsT = pT * (dpT - gl.expand_dims(delta, 0))
+            dk = warpgroup_mma(gl.convert_layout(dsT.to(gl.bfloat16), p_layout), q_smem.index(slot), dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
+        else:
+            mbarrier.wait(do_bar.index(slot), phase)
+        mbarrier.arrive(free_bar.index(slot), count=1)
+    rows = start_n + gl.arange(0, BLOCK_N, gl.SliceLayout(1, a_layout))
+    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, a_layout))
+    out = b.to(gl.int64) * stride_dkb + kvh.to(gl.int64) * stride_dkh + gl.expand_dims(rows, 1) * stride_dkt + gl.expand_dims(cols, 0)
+    gl.store(DK + out, (dk * sm_scale).to(gl.bfloat16), mask=gl.expand_dims(rows, 1) < T)
+    gl.store(DV + out, dv.to(gl.bfloat16), mask=gl.expand_dims(rows, 1) < T)
+
+@gluon.jit
+def ws_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh,
+                   H, KV, T, GROUP, scale_log2, sm_scale,
+                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                   REGS: gl.constexpr, num_warps: gl.constexpr):
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    kv_bar = _ring_barriers(2, 1)
+    q_bar = _ring_barriers(STAGES, 1)
+    do_bar = _ring_barriers(STAGES, 1)
+    free_bar = _ring_barriers(STAGES, 2)
+    gl.warp_specialize([
+        (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, q_bar, do_bar, free_bar, LSE, DELTA, DK, DV,
+                          stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, scale_log2, sm_scale, 0,
+                          HEAD_DIM, BLOCK_N, BLOCK_M, STAGES)),
+        (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, q_bar, do_bar, free_bar, LSE, DELTA, DK, DV,
+                          stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, scale_log2, sm_scale, 1,
+                          HEAD_DIM, BLOCK_N, BLOCK_M, STAGES)),
+        (_dkdv_loader, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_bar, do_bar, free_bar,
+                        KV, T, GROUP, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES)),
+    ], [4, 1], [REGS, LOADER_REGS])
+
+def ws_dkdv(do, q, k, v, lse, delta, variant=0):
+    "dK, dV (B,T,KV,hd) of the causal attention, from the forward's lse and delta = rowsum(dO * O) (fp32, (B,H,T))."
+    B, T, H, hd = q.shape
+    KV = k.shape[2]
+    block_n, block_m, stages, regs = DKDV_CONFIGS[hd][variant]
+    dk = torch.empty(B, T, KV, hd, dtype=q.dtype, device=q.device)
+    dv = torch.empty_like(dk)
+    do = do.contiguous()
+    ws_dkdv_kernel[(triton.cdiv(T, 2 * block_n), B * KV)](
+        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
+        lse, delta, dk, dv, *dk.stride()[:3], H, KV, T, H // KV, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5,
+        HEAD_DIM=hd, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, REGS=regs, num_warps=CONSUMER_WARPS)
+    return dk, dv
+
+# ---- dQ --------------------------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _dq_loader(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, H, T, GROUP,
+               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    start_m, b, h, kvh = _query_pair(H, GROUP, BLOCK_M)
+    row0 = b * T
+    for c in gl.static_range(2):
+        mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row0 + start_m + c * BLOCK_M, h * HEAD_DIM], q_bar.index(c), q_smem.index(c))
+        tma.async_copy_global_to_shared(do_desc, [row0 + start_m + c * BLOCK_M, h * HEAD_DIM], q_bar.index(c), do_smem.index(c))
+    n = gl.cdiv(gl.minimum(start_m + 2 * BLOCK_M, T), BLOCK_N)
+    for j in range(n):
+        slot = j % STAGES
+        mbarrier.wait(free_bar.index(slot), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_bar.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row0 + j * BLOCK_N, kvh * HEAD_DIM], k_bar.index(slot), k_smem.index(slot))
+        mbarrier.expect(v_bar.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [row0 + j * BLOCK_N, kvh * HEAD_DIM], v_bar.index(slot), v_smem.index(slot))
+
+@gluon.jit
+def _dq_step(j, q_tile, do_tile, k_smem, v_smem, k_bar, v_bar, free_bar, dq, lse2, delta, q_pos, zero_s, scale_log2,
+             k_cols: gl.constexpr, ds_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr):
+    slot = j % STAGES
+    phase = (j // STAGES) & 1
+    mbarrier.wait(k_bar.index(slot), phase)
+    s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    mbarrier.wait(v_bar.index(slot), phase)
+    dp = warpgroup_mma(do_tile, v_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
+    p = gl.exp2(s * scale_log2 - gl.expand_dims(lse2, 1))
+    if MASK:
+        k_pos = j * BLOCK_N + gl.arange(0, BLOCK_N, k_cols)
+        p = gl.where(gl.expand_dims(q_pos, 1) >= gl.expand_dims(k_pos, 0), p, 0.0)
+    dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp])
+    ds = p * (dp - gl.expand_dims(delta, 1))
+    dq = warpgroup_mma(gl.convert_layout(ds.to(gl.bfloat16), ds_layout), k_smem.index(slot), dq, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
+    mbarrier.arrive(free_bar.index(slot), count=1)
+    return dq
+
+@gluon.jit
+def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, O, DO, LSE, DELTA, DQ,
+                 stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
+                 H, T, GROUP, scale_log2, sm_scale, C: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    NW: gl.constexpr = 4
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16])
+    a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
+    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
+    load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+    q_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    k_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    pair_m, b, h, kvh = _query_pair(H, GROUP, BLOCK_M)
+    start = pair_m + C * BLOCK_M
+    # δ = rowsum(dO ∘ O) for this tile's rows, stored for the dK/dV kernel
+    rows = start + gl.arange(0, BLOCK_M, gl.SliceLayout(1, load_layout))
+    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, load_layout))
+    inside = gl.expand_dims(rows, 1) < T
+    o_tile = gl.load(O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh + gl.expand_dims(rows, 1) * stride_ot + gl.expand_dims(cols, 0),
+                     mask=inside, other=0.0)
+    do_regs = gl.load(DO + b.to(gl.int64) * stride_dob + h.to(gl.int64) * stride_doh + gl.expand_dims(rows, 1) * stride_dot + gl.expand_dims(cols, 0),
+                      mask=inside, other=0.0)
+    delta_rows = gl.sum(o_tile.to(gl.float32) * do_regs.to(gl.float32), axis=1)
+    gl.store(DELTA + (b * H + h).to(gl.int64) * T + rows, delta_rows, mask=rows < T)
+    delta = gl.convert_layout(delta_rows, q_rows)
+    q_pos = start + gl.arange(0, BLOCK_M, q_rows)
+    lse2 = gl.load(LSE + (b * H + h).to(gl.int64) * T + q_pos, mask=q_pos < T, other=float("inf")) * 1.4426950408889634
+    n = gl.cdiv(gl.minimum(start + BLOCK_M, T), BLOCK_N)
+    n_full = gl.minimum(start // BLOCK_N, n)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, a_layout)
+    q_tile = q_smem.index(C)
+    do_tile = do_smem.index(C)
+    mbarrier.wait(q_bar.index(C), 0)
+    for j in range(0, n_full):
+        dq = _dq_step(j, q_tile, do_tile, k_smem, v_smem, k_bar, v_bar, free_bar, dq, lse2, delta, q_pos, zero_s, scale_log2,
+                      k_cols, ds_layout, BLOCK_N, STAGES, False)
+    for j in range(n_full, n):
+        dq = _dq_step(j, q_tile, do_tile, k_smem, v_smem, k_bar, v_bar, free_bar, dq, lse2, delta, q_pos, zero_s, scale_log2,
+                      k_cols, ds_layout, BLOCK_N, STAGES, True)
+    out_rows = start + gl.arange(0, BLOCK_M, gl.SliceLayout(1, a_layout))
+    out_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, a_layout))
+    out = DQ + b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh + gl.expand_dims(out_rows, 1) * stride_dqt + gl.expand_dims(out_cols, 0)
+    gl.store(out, (dq * sm_scale).to(gl.bfloat16), mask=gl.expand_dims(out_rows, 1) < T)
+
+@gluon.jit
+def ws_dq_kernel(q_desc, k_desc, v_desc, do_desc, O, DO, LSE, DELTA, DQ,
+                 stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
+                 H, T, GROUP, scale_log2, sm_scale,
+                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 REGS: gl.constexpr, num_warps: gl.constexpr):
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = _ring_barriers(2, 1)
+    k_bar = _ring_barriers(STAGES, 1)
+    v_bar = _ring_barriers(STAGES, 1)
+    free_bar = _ring_barriers(STAGES, 2)
+    gl.warp_specialize([
+        (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, O, DO, LSE, DELTA, DQ,
+                        stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
+                        H, T, GROUP, scale_log2, sm_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+        (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, O, DO, LSE, DELTA, DQ,
+                        stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
+                        H, T, GROUP, scale_log2, sm_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+        (_dq_loader, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, H, T, GROUP,
+                      HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+    ], [4, 1], [REGS, LOADER_REGS])
+
+def ws_dq(do, q, k, v, o, lse, variant=0):
+    "(dq (B,T,H,hd), delta (B,H,T) fp32) of the causal attention, like rtrainer's flash_backward_dq."
+    B, T, H, hd = q.shape
+    block_m, block_n, stages, regs = DQ_CONFIGS[hd][variant]
+    dq = torch.empty(B, T, H, hd, dtype=q.dtype, device=q.device)
+    delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
+    do = do.contiguous()
+    ws_dq_kernel[(triton.cdiv(T, 2 * block_m), B * H)](
+        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m), o, do, lse, delta, dq,
+        *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3], H, T, H // k.shape[2], LOG2E / hd ** 0.5, 1.0 / hd ** 0.5,
+        HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, REGS=regs, num_warps=CONSUMER_WARPS)
+    return dq, delta
+
+
+def _maxnreg(ptx):
+    return re.findall(r"setmaxnreg[.a-z0-9]*\s+(\d+)", ptx)
+
+KERNELS = dict(  # kind: (configs, kernel, constexpr names of a config, descriptor blocks of a config)
+    forward=(FORWARD_CONFIGS, ws_forward_kernel, ("BLOCK_M", "BLOCK_N", "STAGES", "REGS"),
+             lambda hd, bm, bn: dict(q_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd))),
+    dkdv=(DKDV_CONFIGS, ws_dkdv_kernel, ("BLOCK_N", "BLOCK_M", "STAGES", "REGS"),
+          lambda hd, bn, bm: dict(q_desc=(bm, hd), do_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd))),
+    dq=(DQ_CONFIGS, ws_dq_kernel, ("BLOCK_M", "BLOCK_N", "STAGES", "REGS"),
+        lambda hd, bm, bn: dict(q_desc=(bm, hd), do_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd))))
+
+def compile_check():
+    "Compile every variant for sm_90 without a GPU; print registers, spills, shared memory and the partitions' register counts."
+    for kind, (configs, kernel, names, descs) in KERNELS.items():
+        for hd, config in ((hd, c) for hd, cs in configs.items() for c in cs):
+            try:
+                usage, smem, ptx = _compile_sm90(kernel, dict(HEAD_DIM=hd, num_warps=CONSUMER_WARPS, **dict(zip(names, config))),
+                                                 descs(hd, config[0], config[1]), CONSUMER_WARPS)
+                print(f"{kind} hd {hd} {config}: {usage}, shared {smem} B, setmaxnreg {_maxnreg(ptx)}, wgmma {ptx.count('wgmma.mma_async')}")
+            except Exception as e:
+                print(f"{kind} hd {hd} {config}: FAILED {type(e).__name__}: {str(e)[-1200:]}")
+
+LAUNCH = dict(forward=lambda a, i: ws_forward(a["q"], a["k"], a["v"], i),
+              dq=lambda a, i: ws_dq(a["do"], a["q"], a["k"], a["v"], a["o"], a["lse"], i),
+              dkdv=lambda a, i: ws_dkdv(a["do"], a["q"], a["k"], a["v"], a["lse"], a["delta"], i))
+CHECK_CASES = ((2, 1000, 12, 4, 64), (1, 777, 16, 16, 128), (2, 257, 8, 1, 128), (1, 1, 4, 2, 64), (1, 4099, 4, 2, 64),
+               (1, 300, 6, 2, 128))
+SMOKE_TIMEOUT_S = 75
+
+def _inputs(B, T, H, KV, hd, seed=1):
+    "bf16 q, k, v (fused views), dO, rtrainer's forward o and lse, and δ."
+    from rtrainer.attention import fused_qkv_views, flash_attention_forward
+    torch.manual_seed(seed)
+    q, k, v = fused_qkv_views(B, T, H, KV, hd, torch.bfloat16, "cuda")
+    do = torch.randn(B, T, H, hd, dtype=torch.bfloat16, device="cuda")
+    o, lse = flash_attention_forward(q, k, v, True)
+    delta = (o.float() * do.float()).sum(-1).transpose(1, 2).contiguous()
+    return dict(q=q, k=k, v=v, do=do, o=o, lse=lse, delta=delta)
+
+def smoke(kind):
+    "One small launch of every variant of one kernel, printing each that finished (run in a child with a time limit)."
+    configs = KERNELS[kind][0]
+    for hd in configs:
+        a = _inputs(1, 400, 4, 2, hd)
+        for variant in range(len(configs[hd])):
+            print(f"SMOKE {hd} {variant} started", flush=True)
+            LAUNCH[kind](a, variant)
+            torch.cuda.synchronize()
+            print(f"SMOKE {hd} {variant} ok", flush=True)
+
+def _smoked(payload, kind):
+    try:
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--smoke", kind], capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
+        out, note = r.stdout, "" if r.returncode == 0 else f"exit {r.returncode}: {r.stderr.strip()[-400:]}"
+    except subprocess.TimeoutExpired as e:
+        out, note = (e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")), f"hung: stopped after {SMOKE_TIMEOUT_S} s"
+    done = {(int(hd), int(v)) for hd, v in re.findall(r"SMOKE (\d+) (\d+) ok", out)}
+    payload["smoke"].append(dict(kernel=kind, finished=sorted(done), note=note))
+    print(f"smoke {kind}: finished {sorted(done)} {note}", flush=True)
+    return done
+
+def check(kind, case, variant):
+    "Relative errors of one variant against float64 autograd (and δ against rowsum(dO ∘ O))."
+    from rtrainer.attention import relative_error, attention_reference
+    B, T, H, KV, hd = case
+    a = _inputs(*case)
+    q64, k64, v64 = (a[n].detach().double().requires_grad_() for n in "qkv")
+    out64 = attention_reference(q64, k64, v64, True)
+    if kind == "forward":
+        o, lse = LAUNCH[kind](a, variant)
+        ref_o, ref_lse = reference(a["q"], a["k"], a["v"])
+        return dict(o=relative_error(o, ref_o), lse=relative_error(lse, ref_lse))
+    dq64, dk64, dv64 = torch.autograd.grad(out64, (q64, k64, v64), a["do"].double())
+    if kind == "dq":
+        dq, delta = LAUNCH[kind](a, variant)
+        return dict(dq=relative_error(dq, dq64), delta=relative_error(delta, (a["o"].double() * a["do"].double()).sum(-1).transpose(1, 2)))
+    dk, dv = LAUNCH[kind](a, variant)
+    return dict(dk=relative_error(dk, dk64), dv=relative_error(dv, dv64))
+
+def _checked(payload, kind):
+    configs = KERNELS[kind][0]
+    alive = _smoked(payload, kind)
+    passed = set()
+    for hd in configs:
+        for variant, config in enumerate(configs[hd]):
+            ok = (hd, variant) in alive
+            for case in (c for c in CHECK_CASES if c[-1] == hd):
+                if not ok: break
+                try: row = check(kind, case, variant)
+                except Exception as e: row = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+                row.update(kernel=kind, case=case, variant=config,
+                           ok="error" not in row and all(math.isfinite(x) and x < 1e-2 for x in row.values() if isinstance(x, float)))
+                payload["checks"].append(row)
+                print(row, flush=True)
+                ok = row["ok"]
+            if ok: passed.add((hd, variant))
+    return passed
+
+def gpu_main():
+    from rtrainer.attention import (flash_attention_forward, flash_backward_dq, flash_backward_dkdv, attention_flops,
+                                    REFERENCE_ATTENTION_SHAPES)
+    from torch.nn.attention import sdpa_kernel, SDPBackend
+    import torch.nn.functional as F
+    payload = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                   configs={k: {str(hd): c for hd, c in v[0].items()} for k, v in KERNELS.items()}, rounds=ROUNDS,
+                   smoke=[], checks=[], rows=[])
+    passed = {kind: _checked(payload, kind) for kind in KERNELS}
+    shapes = [s for s in os.environ.get("WS_SHAPES", "dense1b,rb100m,moe4b,prof183m").split(",") if s]
+    table = []
+    for name in shapes:
+        B, H, KV, T, hd = REFERENCE_ATTENTION_SHAPES[name]
+        a = _inputs(B, T, H, KV, hd, seed=2)
+        q, k, v, do, o, lse, delta = (a[n] for n in ("q", "k", "v", "do", "o", "lse", "delta"))
+        qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k.repeat_interleave(H // KV, 2), v.repeat_interleave(H // KV, 2)))
+        dot = do.transpose(1, 2)
+        def cudnn_fwd():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION): return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+        def cudnn_both():
+            torch.autograd.grad(cudnn_fwd(), (qt, kt, vt), dot)
+        flops = attention_flops(B, H, T, hd)
+        best = {}
+        for kind, base, work in (("forward", lambda: flash_attention_forward(q, k, v, True), flops),
+                                 ("dq", lambda: flash_backward_dq(do, q, k, v, o, lse, True), 1.5 * flops),
+                                 ("dkdv", lambda: flash_backward_dkdv(do, q, k, v, lse, delta, True), 2 * flops)):
+            arms = {"rtrainer": base}
+            if kind == "forward": arms["cudnn"] = cudnn_fwd
+            configs = KERNELS[kind][0][hd]
+            for i, c in enumerate(configs):
+                if (hd, i) in passed[kind]: arms["ws " + "/".join(map(str, c))] = (lambda i=i: LAUNCH[kind](a, i))
+            times = _alternate(arms, ROUNDS)
+            med = {arm: statistics.median(t) for arm, t in times.items()}
+            row = dict(shape=name, kernel=kind, ms=med, tflops={arm: work / m / 1e9 for arm, m in med.items()})
+            ws_arms = [arm for arm in arms if arm.startswith("ws")]
+            row["speed vs rtrainer"] = {arm: _ratios(times, "rtrainer", arm) for arm in ws_arms}
+            if ws_arms:
+                top = min(ws_arms, key=med.get)
+                best[kind] = (configs[[("ws " + "/".join(map(str, c))) for c in configs].index(top)], top)
+            payload["rows"].append(row)
+            print(name, kind, {arm: round(x, 1) for arm, x in row["tflops"].items()}, flush=True)
+            table.append((name, kind, row["tflops"]))
+        # forward + backward: rtrainer's three kernels, the best WS variant of each (rtrainer's where none passed), cuDNN
+        def ws_all():
+            for kind in ("forward", "dq", "dkdv"):
+                if kind in best: LAUNCH[kind](a, KERNELS[kind][0][hd].index(best[kind][0]))
+                else: dict(forward=lambda: flash_attention_forward(q, k, v, True), dq=lambda: flash_backward_dq(do, q, k, v, o, lse, True),
+                           dkdv=lambda: flash_backward_dkdv(do, q, k, v, lse, delta, True))[kind]()
+        def rt_all():
+            flash_attention_forward(q, k, v, True); flash_backward_dq(do, q, k, v, o, lse, True); flash_backward_dkdv(do, q, k, v, lse, delta, True)
+        times = _alternate(dict(rtrainer=rt_all, ws=ws_all, cudnn=cudnn_both), ROUNDS)
+        med = {arm: statistics.median(t) for arm, t in times.items()}
+        row = dict(shape=name, kernel="forward+backward", best={k: v[1] for k, v in best.items()}, ms=med,
+                   tflops={arm: 3.5 * flops / m / 1e9 for arm, m in med.items()},
+                   ws_vs_cudnn=_ratios(times, "cudnn", "ws"), rtrainer_vs_cudnn=_ratios(times, "cudnn", "rtrainer"),
+                   ws_vs_rtrainer=_ratios(times, "rtrainer", "ws"))
+        payload["rows"].append(row)
+        table.append((name, "fwd+bwd", row["tflops"]))
+        print(name, "fwd+bwd", {arm: round(x, 1) for arm, x in row["tflops"].items()},
+              "ws/cudnn %.3f [%.3f, %.3f]" % row["ws_vs_cudnn"], "rtrainer/cudnn %.3f [%.3f, %.3f]" % row["rtrainer_vs_cudnn"], flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "attention_ws.json"), "w") as f: json.dump(payload, f, indent=1)
+    print("\nshape     kernel            TFLOP/s by arm")
+    for name, kind, tf in table:
+        print(f"{name:9} {kind:16} " + ", ".join(f"{arm} {x:.1f}" for arm, x in tf.items()))
+
+if __name__ == "__main__":
+    if "--compile" in sys.argv: compile_check()
+    elif "--smoke" in sys.argv: smoke(sys.argv[sys.argv.index("--smoke") + 1])
+    elif not torch.cuda.is_available(): sys.exit("attention_ws: needs a CUDA GPU (or --compile)")
+    else: gpu_main()
