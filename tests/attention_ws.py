@@ -35,12 +35,14 @@ from attention_gluon import _descriptor, _layout, _online_softmax, _compile_sm90
 ROUNDS = 5
 CONSUMER_WARPS = 4
 LOADER_REGS = gl.constexpr(24)
-# variants: (BLOCK_M rows per consumer, BLOCK_N keys per slot, STAGES, registers per consumer thread)
-FORWARD_CONFIGS = {64: [(64, 128, 2, 240), (64, 64, 3, 240)], 128: [(64, 128, 2, 240), (64, 64, 3, 240), (64, 64, 4, 240)]}
+# variants: (BLOCK_M rows per consumer, BLOCK_N keys per slot, STAGES, registers per consumer thread, schedule)
+FORWARD_CONFIGS = {64: [(64, 128, 2, 240, "ws"), (64, 128, 2, 240, "pp"), (64, 64, 3, 240, "pp"), (64, 128, 3, 240, "pp")],
+                   128: [(64, 128, 2, 240, "ws"), (64, 128, 2, 240, "pp"), (64, 64, 3, 240, "pp"), (64, 128, 3, 240, "pp")]}
+# schedule "ws": each consumer waits for its own matmuls; "pp": ping-pong, the consumers take turns to issue them
 # (BLOCK_N keys per consumer, BLOCK_M queries per slot, STAGES, registers)
-DKDV_CONFIGS = {64: [(64, 64, 2, 240)], 128: [(64, 64, 2, 240), (64, 32, 3, 240), (64, 32, 4, 240)]}
-# (BLOCK_M rows per consumer, BLOCK_N keys per slot, STAGES, registers)
-DQ_CONFIGS = {64: [(64, 64, 2, 240)], 128: [(64, 64, 2, 240), (64, 64, 3, 240)]}
+DKDV_CONFIGS = {64: [(64, 64, 2, 240, "ws"), (64, 64, 3, 240, "pp")], 128: [(64, 64, 2, 240, "ws"), (64, 64, 2, 240, "pp"), (64, 32, 3, 240, "pp")]}
+# (BLOCK_M rows per consumer, BLOCK_N keys per slot, STAGES, registers, schedule)
+DQ_CONFIGS = {64: [(64, 64, 2, 240, "ws"), (64, 64, 3, 240, "pp")], 128: [(64, 64, 2, 240, "ws"), (64, 64, 2, 240, "pp"), (64, 64, 3, 240, "pp")]}
 LOG2E = 1.4426950408889634
 
 
@@ -133,6 +135,105 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, O, LSE,
     gl.store(LSE + (b * H + h).to(gl.int64) * T + q_pos, (m_i + gl.log2(l_i)) / 1.4426950408889634, mask=q_pos < T)
 
 @gluon.jit
+def _take_turn(turn_bar, k, C: gl.constexpr):
+    "Wait until consumer C may issue its k-th round of wgmma (consumer 0 goes first; they alternate)."
+    mbarrier.wait(turn_bar.index(C), (k & 1) ^ (1 - C))
+
+@gluon.jit
+def _fwd_consumer_pp(q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, turn_bar, O, LSE, stride_ob, stride_ot, stride_oh,
+                     H, T, GROUP, scale_log2, C: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Ping-pong: the two consumers take turns to issue their wgmma (S_j = Q K_jᵀ together with O += P_{j-1} V_{j-1}),
+    so one's softmax runs while the other's matmuls do. Each consumer takes n_max turns, the other consumer's count
+    (with BLOCK_N = 2 BLOCK_M both have the same key blocks; otherwise the first may have one fewer, which it spends
+    waiting and passing the turn)."""
+    NW: gl.constexpr = 4
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
+    pair_m, b, h, kvh = _query_pair(H, GROUP, BLOCK_M)
+    start = pair_m + C * BLOCK_M
+    n = gl.cdiv(gl.minimum(start + BLOCK_M, T), BLOCK_N)
+    n_max = gl.cdiv(gl.minimum(pair_m + 2 * BLOCK_M, T), BLOCK_N)
+    n_full = gl.minimum(start // BLOCK_N, n)
+    q_pos = start + gl.arange(0, BLOCK_M, s_rows)
+    m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, s_rows)
+    l_i = gl.zeros([BLOCK_M], gl.float32, s_rows)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    q_tile = q_smem.index(C)
+    other = turn_bar.index(1 - C)
+    mbarrier.wait(q_bar.index(C), 0)
+    # block 0: scores only
+    _take_turn(turn_bar, 0, C)
+    mbarrier.wait(k_bar.index(0), 0)
+    s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    mbarrier.arrive(other, count=1)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+    if n_full == 0:
+        k_pos = gl.arange(0, BLOCK_N, s_cols)
+        s = gl.where(gl.expand_dims(q_pos, 1) >= gl.expand_dims(k_pos, 0), s, float("-inf"))
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, scale_log2)
+    p = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+    for j in range(1, n):
+        slot = j % STAGES
+        prev = (j - 1) % STAGES
+        _take_turn(turn_bar, j, C)
+        mbarrier.wait(k_bar.index(slot), (j // STAGES) & 1)
+        s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(v_bar.index(prev), ((j - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+        mbarrier.arrive(other, count=1)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=[s])              # S_j done; P V_{j-1} may run on
+        if j >= n_full:
+            k_pos = j * BLOCK_N + gl.arange(0, BLOCK_N, s_cols)
+            s = gl.where(gl.expand_dims(q_pos, 1) >= gl.expand_dims(k_pos, 0), s, float("-inf"))
+        p_new, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, scale_log2)
+        p = gl.convert_layout(p_new.to(gl.bfloat16), p_layout)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        mbarrier.arrive(free_bar.index(prev), count=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+    for j in range(n, n_max):                                         # turns this consumer has no block for
+        _take_turn(turn_bar, j, C)
+        mbarrier.arrive(other, count=1)
+    last = (n - 1) % STAGES
+    mbarrier.wait(v_bar.index(last), ((n - 1) // STAGES) & 1)
+    acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    mbarrier.arrive(free_bar.index(last), count=1)
+    acc = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
+    rows = start + gl.arange(0, BLOCK_M, o_rows)
+    cols = gl.arange(0, HEAD_DIM, o_cols)
+    o_ptrs = O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh + gl.expand_dims(rows, 1) * stride_ot + gl.expand_dims(cols, 0)
+    gl.store(o_ptrs, acc.to(gl.bfloat16), mask=gl.expand_dims(rows, 1) < T)
+    gl.store(LSE + (b * H + h).to(gl.int64) * T + q_pos, (m_i + gl.log2(l_i)) / 1.4426950408889634, mask=q_pos < T)
+
+@gluon.jit
+def ws_forward_pp_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot, stride_oh, H, T, GROUP, scale_log2,
+                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                         REGS: gl.constexpr, num_warps: gl.constexpr):
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = _ring_barriers(2, 1)
+    k_bar = _ring_barriers(STAGES, 1)
+    v_bar = _ring_barriers(STAGES, 1)
+    free_bar = _ring_barriers(STAGES, 2)
+    turn_bar = _ring_barriers(2, 1)
+    gl.warp_specialize([
+        (_fwd_consumer_pp, (q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, turn_bar, O, LSE, stride_ob, stride_ot, stride_oh,
+                            H, T, GROUP, scale_log2, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+        (_fwd_consumer_pp, (q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, turn_bar, O, LSE, stride_ob, stride_ot, stride_oh,
+                            H, T, GROUP, scale_log2, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+        (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, H, T, GROUP,
+                       HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+    ], [4, 1], [REGS, LOADER_REGS])
+
+@gluon.jit
 def ws_forward_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot, stride_oh, H, T, GROUP, scale_log2,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                       REGS: gl.constexpr, num_warps: gl.constexpr):
@@ -155,10 +256,11 @@ def ws_forward_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot, stri
 def ws_forward(q, k, v, variant=0):
     "Causal forward, bf16: (o, lse) like rtrainer's flash_attention_forward; `variant` indexes FORWARD_CONFIGS[head dim]."
     B, T, H, hd = q.shape
-    block_m, block_n, stages, regs = FORWARD_CONFIGS[hd][variant]
+    block_m, block_n, stages, regs, schedule = FORWARD_CONFIGS[hd][variant]
     o = torch.empty(B, T, H, hd, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
-    ws_forward_kernel[(triton.cdiv(T, 2 * block_m), B * H)](
+    kernel = ws_forward_pp_kernel if schedule == "pp" else ws_forward_kernel
+    kernel[(triton.cdiv(T, 2 * block_m), B * H)](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), o, lse, *o.stride()[:3], H, T, H // k.shape[2],
         LOG2E / hd ** 0.5, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, REGS=regs, num_warps=CONSUMER_WARPS)
     return o, lse
@@ -190,9 +292,11 @@ def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_sme
         tma.async_copy_global_to_shared(do_desc, [row, h * HEAD_DIM], do_bar.index(slot), do_smem.index(slot))
 
 @gluon.jit
-def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, q_bar, do_bar, free_bar, LSE, DELTA, DK, DV,
+def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, q_bar, do_bar, free_bar, turn_bar, LSE, DELTA, DK, DV,
                    stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, scale_log2, sm_scale, C: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                   PINGPONG: gl.constexpr):
+    "PINGPONG: the consumers take turns to issue their two score products (Sᵀ and dPᵀ); both take one turn per step."
     NW: gl.constexpr = 4
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
@@ -217,10 +321,14 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, q_bar, do_bar, free_
         phase = (u // STAGES) & 1
         qi = first_i + u % n_i
         mbarrier.wait(q_bar.index(slot), phase)
+        if PINGPONG:
+            _take_turn(turn_bar, u, C)
         if (qi + 1) * BLOCK_M > start_n:             # else every query of the block precedes these keys
             sT = warpgroup_mma(k_tile, q_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             mbarrier.wait(do_bar.index(slot), phase)
             dpT = warpgroup_mma(v_tile, do_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn_bar.index(1 - C), count=1)
             sT = warpgroup_mma_wait(num_outstanding=1, deps=[sT])
             q_pos = qi * BLOCK_M + gl.arange(0, BLOCK_M, query_cols)
             head = (b * H + kvh * GROUP + u // n_i).to(gl.int64) * T
@@ -236,6 +344,8 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, q_bar, do_bar, free_
             dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
         else:
             mbarrier.wait(do_bar.index(slot), phase)
+            if PINGPONG:
+                mbarrier.arrive(turn_bar.index(1 - C), count=1)
         mbarrier.arrive(free_bar.index(slot), count=1)
     rows = start_n + gl.arange(0, BLOCK_N, gl.SliceLayout(1, a_layout))
     cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, a_layout))
@@ -247,7 +357,7 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, q_bar, do_bar, free_
 def ws_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh,
                    H, KV, T, GROUP, scale_log2, sm_scale,
                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                   REGS: gl.constexpr, num_warps: gl.constexpr):
+                   REGS: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr):
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -256,13 +366,14 @@ def ws_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, stride_d
     q_bar = _ring_barriers(STAGES, 1)
     do_bar = _ring_barriers(STAGES, 1)
     free_bar = _ring_barriers(STAGES, 2)
+    turn_bar = _ring_barriers(2, 1)
     gl.warp_specialize([
-        (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, q_bar, do_bar, free_bar, LSE, DELTA, DK, DV,
+        (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, q_bar, do_bar, free_bar, turn_bar, LSE, DELTA, DK, DV,
                           stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, scale_log2, sm_scale, 0,
-                          HEAD_DIM, BLOCK_N, BLOCK_M, STAGES)),
-        (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, q_bar, do_bar, free_bar, LSE, DELTA, DK, DV,
+                          HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, PINGPONG)),
+        (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, q_bar, do_bar, free_bar, turn_bar, LSE, DELTA, DK, DV,
                           stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, scale_log2, sm_scale, 1,
-                          HEAD_DIM, BLOCK_N, BLOCK_M, STAGES)),
+                          HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, PINGPONG)),
         (_dkdv_loader, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_bar, do_bar, free_bar,
                         KV, T, GROUP, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES)),
     ], [4, 1], [REGS, LOADER_REGS])
@@ -271,14 +382,15 @@ def ws_dkdv(do, q, k, v, lse, delta, variant=0):
     "dK, dV (B,T,KV,hd) of the causal attention, from the forward's lse and delta = rowsum(dO * O) (fp32, (B,H,T))."
     B, T, H, hd = q.shape
     KV = k.shape[2]
-    block_n, block_m, stages, regs = DKDV_CONFIGS[hd][variant]
+    block_n, block_m, stages, regs, schedule = DKDV_CONFIGS[hd][variant]
     dk = torch.empty(B, T, KV, hd, dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
     do = do.contiguous()
     ws_dkdv_kernel[(triton.cdiv(T, 2 * block_n), B * KV)](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
         lse, delta, dk, dv, *dk.stride()[:3], H, KV, T, H // KV, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5,
-        HEAD_DIM=hd, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, REGS=regs, num_warps=CONSUMER_WARPS)
+        HEAD_DIM=hd, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, REGS=regs, PINGPONG=schedule == "pp",
+        num_warps=CONSUMER_WARPS)
     return dk, dv
 
 # ---- dQ --------------------------------------------------------------------------------------------------------------
@@ -368,6 +480,114 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar,
     gl.store(out, (dq * sm_scale).to(gl.bfloat16), mask=gl.expand_dims(out_rows, 1) < T)
 
 @gluon.jit
+def _dq_ds(s, dp, j, n_full, lse2, delta, q_pos, scale_log2, k_cols: gl.constexpr, ds_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+    "dS = P ∘ (dP − δ) of key block j, as the bf16 operand of dQ += dS K."
+    p = gl.exp2(s * scale_log2 - gl.expand_dims(lse2, 1))
+    if j >= n_full:
+        k_pos = j * BLOCK_N + gl.arange(0, BLOCK_N, k_cols)
+        p = gl.where(gl.expand_dims(q_pos, 1) >= gl.expand_dims(k_pos, 0), p, 0.0)
+    return gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(gl.bfloat16), ds_layout)
+
+@gluon.jit
+def _dq_consumer_pp(q_smem, do_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, turn_bar, O, DO, LSE, DELTA, DQ,
+                    stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
+                    H, T, GROUP, scale_log2, sm_scale, C: gl.constexpr,
+                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    "Ping-pong dQ: per turn a consumer issues S_j = Q K_jᵀ, dP_j = dO V_jᵀ and dQ += dS_{j-1} K_{j-1}, then passes the turn."
+    NW: gl.constexpr = 4
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16])
+    a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
+    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
+    load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+    q_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    k_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    pair_m, b, h, kvh = _query_pair(H, GROUP, BLOCK_M)
+    start = pair_m + C * BLOCK_M
+    rows = start + gl.arange(0, BLOCK_M, gl.SliceLayout(1, load_layout))
+    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, load_layout))
+    inside = gl.expand_dims(rows, 1) < T
+    o_tile = gl.load(O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh + gl.expand_dims(rows, 1) * stride_ot + gl.expand_dims(cols, 0),
+                     mask=inside, other=0.0)
+    do_regs = gl.load(DO + b.to(gl.int64) * stride_dob + h.to(gl.int64) * stride_doh + gl.expand_dims(rows, 1) * stride_dot + gl.expand_dims(cols, 0),
+                      mask=inside, other=0.0)
+    delta_rows = gl.sum(o_tile.to(gl.float32) * do_regs.to(gl.float32), axis=1)
+    gl.store(DELTA + (b * H + h).to(gl.int64) * T + rows, delta_rows, mask=rows < T)
+    delta = gl.convert_layout(delta_rows, q_rows)
+    q_pos = start + gl.arange(0, BLOCK_M, q_rows)
+    lse2 = gl.load(LSE + (b * H + h).to(gl.int64) * T + q_pos, mask=q_pos < T, other=float("inf")) * 1.4426950408889634
+    n = gl.cdiv(gl.minimum(start + BLOCK_M, T), BLOCK_N)
+    n_max = gl.cdiv(gl.minimum(pair_m + 2 * BLOCK_M, T), BLOCK_N)
+    n_full = gl.minimum(start // BLOCK_N, n)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, a_layout)
+    q_tile = q_smem.index(C)
+    do_tile = do_smem.index(C)
+    other = turn_bar.index(1 - C)
+    mbarrier.wait(q_bar.index(C), 0)
+    _take_turn(turn_bar, 0, C)                                      # block 0: the two score products only
+    mbarrier.wait(k_bar.index(0), 0)
+    s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    mbarrier.wait(v_bar.index(0), 0)
+    dp = warpgroup_mma(do_tile, v_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    mbarrier.arrive(other, count=1)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
+    dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp])
+    ds = _dq_ds(s, dp, 0, n_full, lse2, delta, q_pos, scale_log2, k_cols, ds_layout, BLOCK_N)
+    for j in range(1, n):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        prev = (j - 1) % STAGES
+        _take_turn(turn_bar, j, C)
+        mbarrier.wait(k_bar.index(slot), phase)
+        s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(v_bar.index(slot), phase)
+        dp = warpgroup_mma(do_tile, v_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds, k_smem.index(prev), dq, is_async=True)
+        mbarrier.arrive(other, count=1)
+        s = warpgroup_mma_wait(num_outstanding=2, deps=[s])
+        dp = warpgroup_mma_wait(num_outstanding=1, deps=[dp])
+        ds = _dq_ds(s, dp, j, n_full, lse2, delta, q_pos, scale_log2, k_cols, ds_layout, BLOCK_N)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
+        mbarrier.arrive(free_bar.index(prev), count=1)
+    for j in range(n, n_max):
+        _take_turn(turn_bar, j, C)
+        mbarrier.arrive(other, count=1)
+    last = (n - 1) % STAGES
+    dq = warpgroup_mma(ds, k_smem.index(last), dq, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
+    mbarrier.arrive(free_bar.index(last), count=1)
+    out_rows = start + gl.arange(0, BLOCK_M, gl.SliceLayout(1, a_layout))
+    out_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, a_layout))
+    out = DQ + b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh + gl.expand_dims(out_rows, 1) * stride_dqt + gl.expand_dims(out_cols, 0)
+    gl.store(out, (dq * sm_scale).to(gl.bfloat16), mask=gl.expand_dims(out_rows, 1) < T)
+
+@gluon.jit
+def ws_dq_pp_kernel(q_desc, k_desc, v_desc, do_desc, O, DO, LSE, DELTA, DQ,
+                    stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
+                    H, T, GROUP, scale_log2, sm_scale,
+                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    REGS: gl.constexpr, num_warps: gl.constexpr):
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = _ring_barriers(2, 1)
+    k_bar = _ring_barriers(STAGES, 1)
+    v_bar = _ring_barriers(STAGES, 1)
+    free_bar = _ring_barriers(STAGES, 2)
+    turn_bar = _ring_barriers(2, 1)
+    gl.warp_specialize([
+        (_dq_consumer_pp, (q_smem, do_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, turn_bar, O, DO, LSE, DELTA, DQ,
+                           stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
+                           H, T, GROUP, scale_log2, sm_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+        (_dq_consumer_pp, (q_smem, do_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, turn_bar, O, DO, LSE, DELTA, DQ,
+                           stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
+                           H, T, GROUP, scale_log2, sm_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+        (_dq_loader, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, H, T, GROUP,
+                      HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+    ], [4, 1], [REGS, LOADER_REGS])
+
+@gluon.jit
 def ws_dq_kernel(q_desc, k_desc, v_desc, do_desc, O, DO, LSE, DELTA, DQ,
                  stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
                  H, T, GROUP, scale_log2, sm_scale,
@@ -395,11 +615,12 @@ def ws_dq_kernel(q_desc, k_desc, v_desc, do_desc, O, DO, LSE, DELTA, DQ,
 def ws_dq(do, q, k, v, o, lse, variant=0):
     "(dq (B,T,H,hd), delta (B,H,T) fp32) of the causal attention, like rtrainer's flash_backward_dq."
     B, T, H, hd = q.shape
-    block_m, block_n, stages, regs = DQ_CONFIGS[hd][variant]
+    block_m, block_n, stages, regs, schedule = DQ_CONFIGS[hd][variant]
     dq = torch.empty(B, T, H, hd, dtype=q.dtype, device=q.device)
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     do = do.contiguous()
-    ws_dq_kernel[(triton.cdiv(T, 2 * block_m), B * H)](
+    kernel = ws_dq_pp_kernel if schedule == "pp" else ws_dq_kernel
+    kernel[(triton.cdiv(T, 2 * block_m), B * H)](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m), o, do, lse, delta, dq,
         *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3], H, T, H // k.shape[2], LOG2E / hd ** 0.5, 1.0 / hd ** 0.5,
         HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, REGS=regs, num_warps=CONSUMER_WARPS)
@@ -409,20 +630,21 @@ def ws_dq(do, q, k, v, o, lse, variant=0):
 def _maxnreg(ptx):
     return re.findall(r"setmaxnreg[.a-z0-9]*\s+(\d+)", ptx)
 
-KERNELS = dict(  # kind: (configs, kernel, constexpr names of a config, descriptor blocks of a config)
-    forward=(FORWARD_CONFIGS, ws_forward_kernel, ("BLOCK_M", "BLOCK_N", "STAGES", "REGS"),
+KERNELS = dict(  # kind: (configs, kernel of a schedule, constexpr names of a config, descriptor blocks of a config)
+    forward=(FORWARD_CONFIGS, dict(ws=ws_forward_kernel, pp=ws_forward_pp_kernel), ("BLOCK_M", "BLOCK_N", "STAGES", "REGS"),
              lambda hd, bm, bn: dict(q_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd))),
-    dkdv=(DKDV_CONFIGS, ws_dkdv_kernel, ("BLOCK_N", "BLOCK_M", "STAGES", "REGS"),
+    dkdv=(DKDV_CONFIGS, dict(ws=ws_dkdv_kernel, pp=ws_dkdv_kernel), ("BLOCK_N", "BLOCK_M", "STAGES", "REGS"),
           lambda hd, bn, bm: dict(q_desc=(bm, hd), do_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd))),
-    dq=(DQ_CONFIGS, ws_dq_kernel, ("BLOCK_M", "BLOCK_N", "STAGES", "REGS"),
+    dq=(DQ_CONFIGS, dict(ws=ws_dq_kernel, pp=ws_dq_pp_kernel), ("BLOCK_M", "BLOCK_N", "STAGES", "REGS"),
         lambda hd, bm, bn: dict(q_desc=(bm, hd), do_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd))))
 
 def compile_check():
     "Compile every variant for sm_90 without a GPU; print registers, spills, shared memory and the partitions' register counts."
-    for kind, (configs, kernel, names, descs) in KERNELS.items():
+    for kind, (configs, kernels, names, descs) in KERNELS.items():
         for hd, config in ((hd, c) for hd, cs in configs.items() for c in cs):
             try:
-                usage, smem, ptx = _compile_sm90(kernel, dict(HEAD_DIM=hd, num_warps=CONSUMER_WARPS, **dict(zip(names, config))),
+                extra = dict(PINGPONG=config[-1] == "pp") if kind == "dkdv" else {}
+                usage, smem, ptx = _compile_sm90(kernels[config[-1]], dict(HEAD_DIM=hd, num_warps=CONSUMER_WARPS, **extra, **dict(zip(names, config[:-1]))),
                                                  descs(hd, config[0], config[1]), CONSUMER_WARPS)
                 print(f"{kind} hd {hd} {config}: {usage}, shared {smem} B, setmaxnreg {_maxnreg(ptx)}, wgmma {ptx.count('wgmma.mma_async')}")
             except Exception as e:
