@@ -36,13 +36,14 @@ ROUNDS = 5
 CONSUMER_WARPS = 4
 LOADER_REGS = gl.constexpr(24)
 # variants: (BLOCK_M rows per consumer, BLOCK_N keys per slot, STAGES, registers per consumer thread, schedule)
-FORWARD_CONFIGS = {64: [(64, 128, 2, 240, "ws"), (64, 128, 2, 240, "pp"), (64, 64, 3, 240, "pp"), (64, 128, 3, 240, "pp")],
-                   128: [(64, 128, 2, 240, "ws"), (64, 128, 2, 240, "pp"), (64, 64, 3, 240, "pp"), (64, 128, 3, 240, "pp")]}
-# schedule "ws": each consumer waits for its own matmuls; "pp": ping-pong, the consumers take turns to issue them
+FORWARD_CONFIGS = {64: [(64, 128, 3, 240, "pp"), (64, 128, 3, 240, "persistent"), (64, 64, 4, 240, "persistent")],
+                   128: [(64, 128, 2, 240, "ws"), (64, 128, 3, 240, "pp"), (64, 128, 3, 240, "persistent"), (64, 64, 4, 240, "persistent")]}
+# schedule "ws": each consumer waits for its own matmuls; "pp": ping-pong, the consumers take turns to issue them;
+# "persistent": ping-pong in one program per SM over all tiles
 # (BLOCK_N keys per consumer, BLOCK_M queries per slot, STAGES, registers)
-DKDV_CONFIGS = {64: [(64, 64, 2, 240, "ws"), (64, 64, 3, 240, "pp")], 128: [(64, 64, 2, 240, "ws"), (64, 64, 2, 240, "pp"), (64, 32, 3, 240, "pp")]}
+DKDV_CONFIGS = {64: [(64, 64, 2, 240, "ws")], 128: [(64, 64, 2, 240, "ws")]}
 # (BLOCK_M rows per consumer, BLOCK_N keys per slot, STAGES, registers, schedule)
-DQ_CONFIGS = {64: [(64, 64, 2, 240, "ws"), (64, 64, 3, 240, "pp")], 128: [(64, 64, 2, 240, "ws"), (64, 64, 2, 240, "pp"), (64, 64, 3, 240, "pp")]}
+DQ_CONFIGS = {64: [(64, 64, 3, 240, "pp")], 128: [(64, 64, 2, 240, "ws"), (64, 64, 3, 240, "pp")]}
 LOG2E = 1.4426950408889634
 
 
@@ -233,6 +234,141 @@ def ws_forward_pp_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot, s
                        HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [REGS, LOADER_REGS])
 
+# Persistent ping-pong forward: one program per SM walks the (query pair, head) tiles, longest first; the loader runs
+# ahead into the next tile (its Q once both consumers have issued their last score product, its K and V as ring
+# slots free up), so a tile's start overlaps the previous tile's last blocks and epilogue.
+
+@gluon.jit
+def _tile(t, n_pairs, BH, H, GROUP, BLOCK_M: gl.constexpr):
+    "(first query row, batch, head, KV head) of tile t; tiles run longest (last query pair) first."
+    bh = t % BH
+    return (n_pairs - 1 - t // BH) * 2 * BLOCK_M, bh // H, bh % H, (bh % H) // GROUP
+
+@gluon.jit
+def _fwdp_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar, H, T, GROUP, BH, n_pairs,
+                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    it = 0
+    tc = 0
+    for t in range(gl.program_id(0), n_pairs * BH, gl.num_programs(0)):
+        start_m, b, h, kvh = _tile(t, n_pairs, BH, H, GROUP, BLOCK_M)
+        row0 = b * T
+        for c in gl.static_range(2):
+            mbarrier.wait(q_free.index(c), (tc & 1) ^ 1)
+            mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [row0 + start_m + c * BLOCK_M, h * HEAD_DIM], q_bar.index(c), q_smem.index(c))
+        n = gl.cdiv(gl.minimum(start_m + 2 * BLOCK_M, T), BLOCK_N)
+        for j in range(n):
+            slot = it % STAGES
+            mbarrier.wait(free_bar.index(slot), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(k_bar.index(slot), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [row0 + j * BLOCK_N, kvh * HEAD_DIM], k_bar.index(slot), k_smem.index(slot))
+            mbarrier.expect(v_bar.index(slot), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [row0 + j * BLOCK_N, kvh * HEAD_DIM], v_bar.index(slot), v_smem.index(slot))
+            it += 1
+        tc += 1
+
+@gluon.jit
+def _fwdp_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar, turn_bar, O, LSE, stride_ob, stride_ot, stride_oh,
+                   H, T, GROUP, BH, n_pairs, scale_log2, C: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    NW: gl.constexpr = 4
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    q_tile = q_smem.index(C)
+    other = turn_bar.index(1 - C)
+    it = 0          # ring position of this tile's first key block (the loader's count)
+    turn = 0
+    tc = 0
+    for t in range(gl.program_id(0), n_pairs * BH, gl.num_programs(0)):
+        pair_m, b, h, kvh = _tile(t, n_pairs, BH, H, GROUP, BLOCK_M)
+        start = pair_m + C * BLOCK_M
+        n = gl.cdiv(gl.minimum(start + BLOCK_M, T), BLOCK_N)
+        n_max = gl.cdiv(gl.minimum(pair_m + 2 * BLOCK_M, T), BLOCK_N)
+        n_full = gl.minimum(start // BLOCK_N, n)
+        q_pos = start + gl.arange(0, BLOCK_M, s_rows)
+        m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, s_rows)
+        l_i = gl.zeros([BLOCK_M], gl.float32, s_rows)
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+        mbarrier.wait(q_bar.index(C), tc & 1)
+        _take_turn(turn_bar, turn, C)
+        mbarrier.wait(k_bar.index(it % STAGES), (it // STAGES) & 1)
+        s = warpgroup_mma(q_tile, k_smem.index(it % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.arrive(other, count=1)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+        mbarrier.arrive(q_free.index(C), count=1, pred=n == 1)
+        if n_full == 0:
+            k_pos = gl.arange(0, BLOCK_N, s_cols)
+            s = gl.where(gl.expand_dims(q_pos, 1) >= gl.expand_dims(k_pos, 0), s, float("-inf"))
+        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, scale_log2)
+        p = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+        for j in range(1, n):
+            slot = (it + j) % STAGES
+            prev = (it + j - 1) % STAGES
+            _take_turn(turn_bar, turn + j, C)
+            mbarrier.wait(k_bar.index(slot), ((it + j) // STAGES) & 1)
+            s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            mbarrier.wait(v_bar.index(prev), ((it + j - 1) // STAGES) & 1)
+            acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+            mbarrier.arrive(other, count=1)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
+            mbarrier.arrive(q_free.index(C), count=1, pred=j == n - 1)   # Q's last use is done
+            if j >= n_full:
+                k_pos = j * BLOCK_N + gl.arange(0, BLOCK_N, s_cols)
+                s = gl.where(gl.expand_dims(q_pos, 1) >= gl.expand_dims(k_pos, 0), s, float("-inf"))
+            p_new, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, scale_log2)
+            p = gl.convert_layout(p_new.to(gl.bfloat16), p_layout)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            mbarrier.arrive(free_bar.index(prev), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+        for j in range(n, n_max):            # blocks past this tile's diagonal: pass the turn, free the slot once it is filled
+            _take_turn(turn_bar, turn + j, C)
+            mbarrier.arrive(other, count=1)
+            mbarrier.wait(v_bar.index((it + j) % STAGES), ((it + j) // STAGES) & 1)
+            mbarrier.wait(k_bar.index((it + j) % STAGES), ((it + j) // STAGES) & 1)
+            mbarrier.arrive(free_bar.index((it + j) % STAGES), count=1)
+        last = (it + n - 1) % STAGES
+        mbarrier.wait(v_bar.index(last), ((it + n - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        mbarrier.arrive(free_bar.index(last), count=1)
+        acc = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
+        rows = start + gl.arange(0, BLOCK_M, o_rows)
+        cols = gl.arange(0, HEAD_DIM, o_cols)
+        o_ptrs = O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh + gl.expand_dims(rows, 1) * stride_ot + gl.expand_dims(cols, 0)
+        gl.store(o_ptrs, acc.to(gl.bfloat16), mask=gl.expand_dims(rows, 1) < T)
+        gl.store(LSE + (b * H + h).to(gl.int64) * T + q_pos, (m_i + gl.log2(l_i)) / 1.4426950408889634, mask=q_pos < T)
+        it += n_max
+        turn += n_max
+        tc += 1
+
+@gluon.jit
+def ws_forward_persistent_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot, stride_oh, H, T, GROUP, BH, n_pairs, scale_log2,
+                                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                                 REGS: gl.constexpr, num_warps: gl.constexpr):
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = _ring_barriers(2, 1)
+    q_free = _ring_barriers(2, 1)
+    k_bar = _ring_barriers(STAGES, 1)
+    v_bar = _ring_barriers(STAGES, 1)
+    free_bar = _ring_barriers(STAGES, 2)
+    turn_bar = _ring_barriers(2, 1)
+    gl.warp_specialize([
+        (_fwdp_consumer, (q_smem, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar, turn_bar, O, LSE, stride_ob, stride_ot, stride_oh,
+                          H, T, GROUP, BH, n_pairs, scale_log2, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+        (_fwdp_consumer, (q_smem, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar, turn_bar, O, LSE, stride_ob, stride_ot, stride_oh,
+                          H, T, GROUP, BH, n_pairs, scale_log2, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+        (_fwdp_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar, H, T, GROUP, BH, n_pairs,
+                        HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+    ], [4, 1], [REGS, LOADER_REGS])
+
 @gluon.jit
 def ws_forward_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot, stride_oh, H, T, GROUP, scale_log2,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -259,6 +395,13 @@ def ws_forward(q, k, v, variant=0):
     block_m, block_n, stages, regs, schedule = FORWARD_CONFIGS[hd][variant]
     o = torch.empty(B, T, H, hd, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
+    if schedule == "persistent":
+        n_pairs = triton.cdiv(T, 2 * block_m)
+        ws_forward_persistent_kernel[(min(n_pairs * B * H, torch.cuda.get_device_properties(q.device).multi_processor_count),)](
+            _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), o, lse, *o.stride()[:3], H, T, H // k.shape[2],
+            B * H, n_pairs, LOG2E / hd ** 0.5, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, REGS=regs,
+            num_warps=CONSUMER_WARPS)
+        return o, lse
     kernel = ws_forward_pp_kernel if schedule == "pp" else ws_forward_kernel
     kernel[(triton.cdiv(T, 2 * block_m), B * H)](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), o, lse, *o.stride()[:3], H, T, H // k.shape[2],
@@ -631,7 +774,7 @@ def _maxnreg(ptx):
     return re.findall(r"setmaxnreg[.a-z0-9]*\s+(\d+)", ptx)
 
 KERNELS = dict(  # kind: (configs, kernel of a schedule, constexpr names of a config, descriptor blocks of a config)
-    forward=(FORWARD_CONFIGS, dict(ws=ws_forward_kernel, pp=ws_forward_pp_kernel), ("BLOCK_M", "BLOCK_N", "STAGES", "REGS"),
+    forward=(FORWARD_CONFIGS, dict(ws=ws_forward_kernel, pp=ws_forward_pp_kernel, persistent=ws_forward_persistent_kernel), ("BLOCK_M", "BLOCK_N", "STAGES", "REGS"),
              lambda hd, bm, bn: dict(q_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd))),
     dkdv=(DKDV_CONFIGS, dict(ws=ws_dkdv_kernel, pp=ws_dkdv_kernel), ("BLOCK_N", "BLOCK_M", "STAGES", "REGS"),
           lambda hd, bn, bm: dict(q_desc=(bm, hd), do_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd))),
