@@ -36,10 +36,10 @@ ROUNDS = 5
 CONSUMER_WARPS = 4
 LOADER_REGS = gl.constexpr(24)
 # variants: (BLOCK_M rows per consumer, BLOCK_N keys per slot, STAGES, registers per consumer thread, schedule)
-FORWARD_CONFIGS = {64: [(64, 128, 3, 240, "pp"), (64, 128, 3, 240, "persistent"), (64, 64, 4, 240, "persistent")],
-                   128: [(64, 128, 2, 240, "ws"), (64, 128, 3, 240, "pp"), (64, 128, 3, 240, "persistent"), (64, 64, 4, 240, "persistent")]}
+FORWARD_CONFIGS = {64: [(64, 128, 3, 240, "persistent")],
+                   128: [(64, 128, 3, 240, "pp"), (64, 128, 3, 240, "ppk"), (64, 128, 2, 240, "ppk")]}
 # schedule "ws": each consumer waits for its own matmuls; "pp": ping-pong, the consumers take turns to issue them;
-# "persistent": ping-pong in one program per SM over all tiles
+# "persistent": ping-pong in one program per SM over all tiles; "ppk": ping-pong, a K slot freed as soon as its scores are done
 # (BLOCK_N keys per consumer, BLOCK_M queries per slot, STAGES, registers)
 DKDV_CONFIGS = {64: [(64, 64, 2, 240, "ws")], 128: [(64, 64, 2, 240, "ws")]}
 # (BLOCK_M rows per consumer, BLOCK_N keys per slot, STAGES, registers, schedule)
@@ -65,6 +65,13 @@ def _query_pair(H, GROUP, BLOCK_M: gl.constexpr):
 @gluon.jit
 def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, H, T, GROUP,
                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    _fwd_loader_kv(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, free_bar, H, T, GROUP,
+                   HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)
+
+@gluon.jit
+def _fwd_loader_kv(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free, H, T, GROUP,
+                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    "K's slot waits for k_free, V's for v_free (the same barriers unless the consumers free K as soon as S is done)."
     start_m, b, h, kvh = _query_pair(H, GROUP, BLOCK_M)
     row0 = b * T
     for c in gl.static_range(2):
@@ -73,9 +80,10 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_
     n = gl.cdiv(gl.minimum(start_m + 2 * BLOCK_M, T), BLOCK_N)
     for j in range(n):
         slot = j % STAGES
-        mbarrier.wait(free_bar.index(slot), ((j // STAGES) & 1) ^ 1)   # a fresh barrier passes phase 1 at once
+        mbarrier.wait(k_free.index(slot), ((j // STAGES) & 1) ^ 1)     # a fresh barrier passes phase 1 at once
         mbarrier.expect(k_bar.index(slot), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [row0 + j * BLOCK_N, kvh * HEAD_DIM], k_bar.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_free.index(slot), ((j // STAGES) & 1) ^ 1)
         mbarrier.expect(v_bar.index(slot), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [row0 + j * BLOCK_N, kvh * HEAD_DIM], v_bar.index(slot), v_smem.index(slot))
 
@@ -141,13 +149,15 @@ def _take_turn(turn_bar, k, C: gl.constexpr):
     mbarrier.wait(turn_bar.index(C), (k & 1) ^ (1 - C))
 
 @gluon.jit
-def _fwd_consumer_pp(q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, turn_bar, O, LSE, stride_ob, stride_ot, stride_oh,
+def _fwd_consumer_pp(q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, k_free, turn_bar, O, LSE, stride_ob, stride_ot, stride_oh,
                      H, T, GROUP, scale_log2, C: gl.constexpr,
-                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     EARLY_K: gl.constexpr):
     """Ping-pong: the two consumers take turns to issue their wgmma (S_j = Q K_jᵀ together with O += P_{j-1} V_{j-1}),
     so one's softmax runs while the other's matmuls do. Each consumer takes n_max turns, the other consumer's count
     (with BLOCK_N = 2 BLOCK_M both have the same key blocks; otherwise the first may have one fewer, which it spends
-    waiting and passing the turn)."""
+    waiting and passing the turn). EARLY_K: a K slot is freed (k_free) as soon as its scores are done, V's (free_bar)
+    after its product; else both after the product."""
     NW: gl.constexpr = 4
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
@@ -175,6 +185,8 @@ def _fwd_consumer_pp(q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, turn
     s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     mbarrier.arrive(other, count=1)
     s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+    if EARLY_K:
+        mbarrier.arrive(k_free.index(0), count=1)
     if n_full == 0:
         k_pos = gl.arange(0, BLOCK_N, s_cols)
         s = gl.where(gl.expand_dims(q_pos, 1) >= gl.expand_dims(k_pos, 0), s, float("-inf"))
@@ -190,6 +202,8 @@ def _fwd_consumer_pp(q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, turn
         acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
         mbarrier.arrive(other, count=1)
         s = warpgroup_mma_wait(num_outstanding=1, deps=[s])              # S_j done; P V_{j-1} may run on
+        if EARLY_K:
+            mbarrier.arrive(k_free.index(slot), count=1)
         if j >= n_full:
             k_pos = j * BLOCK_N + gl.arange(0, BLOCK_N, s_cols)
             s = gl.where(gl.expand_dims(q_pos, 1) >= gl.expand_dims(k_pos, 0), s, float("-inf"))
@@ -216,7 +230,7 @@ def _fwd_consumer_pp(q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, turn
 @gluon.jit
 def ws_forward_pp_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot, stride_oh, H, T, GROUP, scale_log2,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                         REGS: gl.constexpr, num_warps: gl.constexpr):
+                         REGS: gl.constexpr, EARLY_K: gl.constexpr, num_warps: gl.constexpr):
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
@@ -224,14 +238,15 @@ def ws_forward_pp_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot, s
     k_bar = _ring_barriers(STAGES, 1)
     v_bar = _ring_barriers(STAGES, 1)
     free_bar = _ring_barriers(STAGES, 2)
+    k_free = _ring_barriers(STAGES, 2)
     turn_bar = _ring_barriers(2, 1)
     gl.warp_specialize([
-        (_fwd_consumer_pp, (q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, turn_bar, O, LSE, stride_ob, stride_ot, stride_oh,
-                            H, T, GROUP, scale_log2, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-        (_fwd_consumer_pp, (q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, turn_bar, O, LSE, stride_ob, stride_ot, stride_oh,
-                            H, T, GROUP, scale_log2, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-        (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, H, T, GROUP,
-                       HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+        (_fwd_consumer_pp, (q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, k_free, turn_bar, O, LSE, stride_ob, stride_ot,
+                            stride_oh, H, T, GROUP, scale_log2, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, EARLY_K)),
+        (_fwd_consumer_pp, (q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, k_free, turn_bar, O, LSE, stride_ob, stride_ot,
+                            stride_oh, H, T, GROUP, scale_log2, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, EARLY_K)),
+        (_fwd_loader_kv, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free if EARLY_K else free_bar,
+                          free_bar, H, T, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [REGS, LOADER_REGS])
 
 # Persistent ping-pong forward: one program per SM walks the (query pair, head) tiles, longest first; the loader runs
@@ -402,10 +417,10 @@ def ws_forward(q, k, v, variant=0):
             B * H, n_pairs, LOG2E / hd ** 0.5, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, REGS=regs,
             num_warps=CONSUMER_WARPS)
         return o, lse
-    kernel = ws_forward_pp_kernel if schedule == "pp" else ws_forward_kernel
+    kernel, extra = (ws_forward_pp_kernel, dict(EARLY_K=schedule == "ppk")) if schedule in ("pp", "ppk") else (ws_forward_kernel, {})
     kernel[(triton.cdiv(T, 2 * block_m), B * H)](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), o, lse, *o.stride()[:3], H, T, H // k.shape[2],
-        LOG2E / hd ** 0.5, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, REGS=regs, num_warps=CONSUMER_WARPS)
+        LOG2E / hd ** 0.5, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, REGS=regs, num_warps=CONSUMER_WARPS, **extra)
     return o, lse
 
 
@@ -774,7 +789,7 @@ def _maxnreg(ptx):
     return re.findall(r"setmaxnreg[.a-z0-9]*\s+(\d+)", ptx)
 
 KERNELS = dict(  # kind: (configs, kernel of a schedule, constexpr names of a config, descriptor blocks of a config)
-    forward=(FORWARD_CONFIGS, dict(ws=ws_forward_kernel, pp=ws_forward_pp_kernel, persistent=ws_forward_persistent_kernel), ("BLOCK_M", "BLOCK_N", "STAGES", "REGS"),
+    forward=(FORWARD_CONFIGS, dict(ws=ws_forward_kernel, pp=ws_forward_pp_kernel, ppk=ws_forward_pp_kernel, persistent=ws_forward_persistent_kernel), ("BLOCK_M", "BLOCK_N", "STAGES", "REGS"),
              lambda hd, bm, bn: dict(q_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd))),
     dkdv=(DKDV_CONFIGS, dict(ws=ws_dkdv_kernel, pp=ws_dkdv_kernel), ("BLOCK_N", "BLOCK_M", "STAGES", "REGS"),
           lambda hd, bn, bm: dict(q_desc=(bm, hd), do_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd))),
@@ -786,7 +801,8 @@ def compile_check():
     for kind, (configs, kernels, names, descs) in KERNELS.items():
         for hd, config in ((hd, c) for hd, cs in configs.items() for c in cs):
             try:
-                extra = dict(PINGPONG=config[-1] == "pp") if kind == "dkdv" else {}
+                extra = (dict(PINGPONG=config[-1] == "pp") if kind == "dkdv" else
+                         dict(EARLY_K=config[-1] == "ppk") if kind == "forward" and config[-1] in ("pp", "ppk") else {})
                 usage, smem, ptx = _compile_sm90(kernels[config[-1]], dict(HEAD_DIM=hd, num_warps=CONSUMER_WARPS, **extra, **dict(zip(names, config[:-1]))),
                                                  descs(hd, config[0], config[1]), CONSUMER_WARPS)
                 print(f"{kind} hd {hd} {config}: {usage}, shared {smem} B, setmaxnreg {_maxnreg(ptx)}, wgmma {ptx.count('wgmma.mma_async')}")
