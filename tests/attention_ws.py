@@ -29,17 +29,18 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 from attention_gluon import _descriptor, _layout, _online_softmax, _compile_sm90, _alternate, _ratios, reference
 
 ROUNDS = 5
 CONSUMER_WARPS = 4
 LOADER_REGS = gl.constexpr(24)
 # variants: (BLOCK_M rows per consumer, BLOCK_N keys per slot, STAGES, registers per consumer thread, schedule)
-FORWARD_CONFIGS = {64: [(64, 128, 3, 240, "persistent")],
-                   128: [(64, 128, 3, 240, "pp"), (64, 128, 3, 240, "ppk"), (64, 128, 2, 240, "ppk")]}
+FORWARD_CONFIGS = {64: [(64, 128, 3, 240, "persistent"), (64, 128, 3, 240, "persistent-kt")],
+                   128: [(64, 128, 2, 240, "ppk"), (64, 128, 3, 240, "persistent"), (64, 128, 2, 240, "persistent-kt")]}
 # schedule "ws": each consumer waits for its own matmuls; "pp": ping-pong, the consumers take turns to issue them;
-# "persistent": ping-pong in one program per SM over all tiles; "ppk": ping-pong, a K slot freed as soon as its scores are done
+# "persistent": ping-pong in one program per SM over all tiles; "ppk": ping-pong, a K slot freed as soon as its scores are done;
+# "persistent-kt": persistent, K freed early, and the output stored by TMA from shared memory (overlapping the next tile)
 # (BLOCK_N keys per consumer, BLOCK_M queries per slot, STAGES, registers)
 DKDV_CONFIGS = {64: [(64, 64, 2, 240, "ws")], 128: [(64, 64, 2, 240, "ws")]}
 # (BLOCK_M rows per consumer, BLOCK_N keys per slot, STAGES, registers, schedule)
@@ -260,7 +261,7 @@ def _tile(t, n_pairs, BH, H, GROUP, BLOCK_M: gl.constexpr):
     return (n_pairs - 1 - t // BH) * 2 * BLOCK_M, bh // H, bh % H, (bh % H) // GROUP
 
 @gluon.jit
-def _fwdp_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar, H, T, GROUP, BH, n_pairs,
+def _fwdp_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, k_free, free_bar, H, T, GROUP, BH, n_pairs,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     it = 0
     tc = 0
@@ -274,18 +275,23 @@ def _fwdp_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, 
         n = gl.cdiv(gl.minimum(start_m + 2 * BLOCK_M, T), BLOCK_N)
         for j in range(n):
             slot = it % STAGES
-            mbarrier.wait(free_bar.index(slot), ((it // STAGES) & 1) ^ 1)
+            mbarrier.wait(k_free.index(slot), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(k_bar.index(slot), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [row0 + j * BLOCK_N, kvh * HEAD_DIM], k_bar.index(slot), k_smem.index(slot))
+            mbarrier.wait(free_bar.index(slot), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(v_bar.index(slot), v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(v_desc, [row0 + j * BLOCK_N, kvh * HEAD_DIM], v_bar.index(slot), v_smem.index(slot))
             it += 1
         tc += 1
 
 @gluon.jit
-def _fwdp_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar, turn_bar, O, LSE, stride_ob, stride_ot, stride_oh,
-                   H, T, GROUP, BH, n_pairs, scale_log2, C: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _fwdp_consumer(q_smem, k_smem, v_smem, o_smem, o_desc, q_bar, q_free, k_bar, v_bar, k_free, free_bar, turn_bar, O, LSE,
+                   stride_ob, stride_ot, stride_oh, H, T, GROUP, BH, n_pairs, scale_log2, C: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   EARLY_K: gl.constexpr, TMA_STORE: gl.constexpr):
+    """EARLY_K: K's slot is freed (k_free) once its scores are done, V's (free_bar) after its product; else both after
+    the product (the loader is then given free_bar twice). TMA_STORE: the output tile goes out through shared memory
+    and an asynchronous TMA store (awaited before the next tile's), unless it reaches past T."""
     NW: gl.constexpr = 4
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
@@ -317,6 +323,8 @@ def _fwdp_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar
         mbarrier.arrive(other, count=1)
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
         mbarrier.arrive(q_free.index(C), count=1, pred=n == 1)
+        if EARLY_K:
+            mbarrier.arrive(k_free.index(it % STAGES), count=1)
         if n_full == 0:
             k_pos = gl.arange(0, BLOCK_N, s_cols)
             s = gl.where(gl.expand_dims(q_pos, 1) >= gl.expand_dims(k_pos, 0), s, float("-inf"))
@@ -333,6 +341,8 @@ def _fwdp_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar
             mbarrier.arrive(other, count=1)
             s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
             mbarrier.arrive(q_free.index(C), count=1, pred=j == n - 1)   # Q's last use is done
+            if EARLY_K:
+                mbarrier.arrive(k_free.index(slot), count=1)
             if j >= n_full:
                 k_pos = j * BLOCK_N + gl.arange(0, BLOCK_N, s_cols)
                 s = gl.where(gl.expand_dims(q_pos, 1) >= gl.expand_dims(k_pos, 0), s, float("-inf"))
@@ -346,6 +356,8 @@ def _fwdp_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar
             mbarrier.arrive(other, count=1)
             mbarrier.wait(v_bar.index((it + j) % STAGES), ((it + j) // STAGES) & 1)
             mbarrier.wait(k_bar.index((it + j) % STAGES), ((it + j) // STAGES) & 1)
+            if EARLY_K:
+                mbarrier.arrive(k_free.index((it + j) % STAGES), count=1)
             mbarrier.arrive(free_bar.index((it + j) % STAGES), count=1)
         last = (it + n - 1) % STAGES
         mbarrier.wait(v_bar.index(last), ((it + n - 1) // STAGES) & 1)
@@ -353,35 +365,48 @@ def _fwdp_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         mbarrier.arrive(free_bar.index(last), count=1)
         acc = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
-        rows = start + gl.arange(0, BLOCK_M, o_rows)
-        cols = gl.arange(0, HEAD_DIM, o_cols)
-        o_ptrs = O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh + gl.expand_dims(rows, 1) * stride_ot + gl.expand_dims(cols, 0)
-        gl.store(o_ptrs, acc.to(gl.bfloat16), mask=gl.expand_dims(rows, 1) < T)
+        if TMA_STORE and start + BLOCK_M <= T:
+            tma.store_wait(0)                       # the previous tile's store has left o_smem
+            o_smem.store(acc.to(gl.bfloat16))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [b * T + start, h * HEAD_DIM], o_smem)
+        else:
+            rows = start + gl.arange(0, BLOCK_M, o_rows)
+            cols = gl.arange(0, HEAD_DIM, o_cols)
+            o_ptrs = O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh + gl.expand_dims(rows, 1) * stride_ot + gl.expand_dims(cols, 0)
+            gl.store(o_ptrs, acc.to(gl.bfloat16), mask=gl.expand_dims(rows, 1) < T)
         gl.store(LSE + (b * H + h).to(gl.int64) * T + q_pos, (m_i + gl.log2(l_i)) / 1.4426950408889634, mask=q_pos < T)
         it += n_max
         turn += n_max
         tc += 1
+    if TMA_STORE:
+        tma.store_wait(0)
 
 @gluon.jit
-def ws_forward_persistent_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot, stride_oh, H, T, GROUP, BH, n_pairs, scale_log2,
-                                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                                 REGS: gl.constexpr, num_warps: gl.constexpr):
+def ws_forward_persistent_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, stride_ob, stride_ot, stride_oh, H, T, GROUP, BH, n_pairs,
+                                 scale_log2, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                 STAGES: gl.constexpr, REGS: gl.constexpr, EARLY_K: gl.constexpr, TMA_STORE: gl.constexpr,
+                                 num_warps: gl.constexpr):
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    o_smem = gl.allocate_shared_memory(o_desc.dtype, [2 if TMA_STORE else 1, BLOCK_M, HEAD_DIM], o_desc.layout)
     q_bar = _ring_barriers(2, 1)
     q_free = _ring_barriers(2, 1)
     k_bar = _ring_barriers(STAGES, 1)
     v_bar = _ring_barriers(STAGES, 1)
+    k_free = _ring_barriers(STAGES, 2)
     free_bar = _ring_barriers(STAGES, 2)
     turn_bar = _ring_barriers(2, 1)
     gl.warp_specialize([
-        (_fwdp_consumer, (q_smem, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar, turn_bar, O, LSE, stride_ob, stride_ot, stride_oh,
-                          H, T, GROUP, BH, n_pairs, scale_log2, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-        (_fwdp_consumer, (q_smem, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar, turn_bar, O, LSE, stride_ob, stride_ot, stride_oh,
-                          H, T, GROUP, BH, n_pairs, scale_log2, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-        (_fwdp_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar, H, T, GROUP, BH, n_pairs,
-                        HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+        (_fwdp_consumer, (q_smem, k_smem, v_smem, o_smem.index(0), o_desc, q_bar, q_free, k_bar, v_bar, k_free, free_bar, turn_bar,
+                          O, LSE, stride_ob, stride_ot, stride_oh, H, T, GROUP, BH, n_pairs, scale_log2, 0,
+                          HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, EARLY_K, TMA_STORE)),
+        (_fwdp_consumer, (q_smem, k_smem, v_smem, o_smem.index(1 if TMA_STORE else 0), o_desc, q_bar, q_free, k_bar, v_bar, k_free,
+                          free_bar, turn_bar, O, LSE, stride_ob, stride_ot, stride_oh, H, T, GROUP, BH, n_pairs, scale_log2, 1,
+                          HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, EARLY_K, TMA_STORE)),
+        (_fwdp_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, k_free if EARLY_K else free_bar,
+                        free_bar, H, T, GROUP, BH, n_pairs, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [REGS, LOADER_REGS])
 
 @gluon.jit
@@ -410,12 +435,12 @@ def ws_forward(q, k, v, variant=0):
     block_m, block_n, stages, regs, schedule = FORWARD_CONFIGS[hd][variant]
     o = torch.empty(B, T, H, hd, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
-    if schedule == "persistent":
+    if schedule.startswith("persistent"):
         n_pairs = triton.cdiv(T, 2 * block_m)
         ws_forward_persistent_kernel[(min(n_pairs * B * H, torch.cuda.get_device_properties(q.device).multi_processor_count),)](
-            _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), o, lse, *o.stride()[:3], H, T, H // k.shape[2],
-            B * H, n_pairs, LOG2E / hd ** 0.5, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, REGS=regs,
-            num_warps=CONSUMER_WARPS)
+            _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(o, block_m), o, lse, *o.stride()[:3],
+            H, T, H // k.shape[2], B * H, n_pairs, LOG2E / hd ** 0.5, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
+            REGS=regs, EARLY_K=schedule == "persistent-kt", TMA_STORE=schedule == "persistent-kt", num_warps=CONSUMER_WARPS)
         return o, lse
     kernel, extra = (ws_forward_pp_kernel, dict(EARLY_K=schedule == "ppk")) if schedule in ("pp", "ppk") else (ws_forward_kernel, {})
     kernel[(triton.cdiv(T, 2 * block_m), B * H)](
@@ -789,8 +814,9 @@ def _maxnreg(ptx):
     return re.findall(r"setmaxnreg[.a-z0-9]*\s+(\d+)", ptx)
 
 KERNELS = dict(  # kind: (configs, kernel of a schedule, constexpr names of a config, descriptor blocks of a config)
-    forward=(FORWARD_CONFIGS, dict(ws=ws_forward_kernel, pp=ws_forward_pp_kernel, ppk=ws_forward_pp_kernel, persistent=ws_forward_persistent_kernel), ("BLOCK_M", "BLOCK_N", "STAGES", "REGS"),
-             lambda hd, bm, bn: dict(q_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd))),
+    forward=(FORWARD_CONFIGS, dict(ws=ws_forward_kernel, pp=ws_forward_pp_kernel, ppk=ws_forward_pp_kernel, persistent=ws_forward_persistent_kernel,
+                                   **{"persistent-kt": ws_forward_persistent_kernel}), ("BLOCK_M", "BLOCK_N", "STAGES", "REGS"),
+             lambda hd, bm, bn: dict(q_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd), o_desc=(bm, hd))),
     dkdv=(DKDV_CONFIGS, dict(ws=ws_dkdv_kernel, pp=ws_dkdv_kernel), ("BLOCK_N", "BLOCK_M", "STAGES", "REGS"),
           lambda hd, bn, bm: dict(q_desc=(bm, hd), do_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd))),
     dq=(DQ_CONFIGS, dict(ws=ws_dq_kernel, pp=ws_dq_pp_kernel), ("BLOCK_M", "BLOCK_N", "STAGES", "REGS"),
@@ -802,7 +828,9 @@ def compile_check():
         for hd, config in ((hd, c) for hd, cs in configs.items() for c in cs):
             try:
                 extra = (dict(PINGPONG=config[-1] == "pp") if kind == "dkdv" else
-                         dict(EARLY_K=config[-1] == "ppk") if kind == "forward" and config[-1] in ("pp", "ppk") else {})
+                         dict(EARLY_K=config[-1] == "ppk") if kind == "forward" and config[-1] in ("pp", "ppk") else
+                         dict(EARLY_K=config[-1] == "persistent-kt", TMA_STORE=config[-1] == "persistent-kt") if kind == "forward" and
+                         config[-1].startswith("persistent") else {})
                 usage, smem, ptx = _compile_sm90(kernels[config[-1]], dict(HEAD_DIM=hd, num_warps=CONSUMER_WARPS, **extra, **dict(zip(names, config[:-1]))),
                                                  descs(hd, config[0], config[1]), CONSUMER_WARPS)
                 print(f"{kind} hd {hd} {config}: {usage}, shared {smem} B, setmaxnreg {_maxnreg(ptx)}, wgmma {ptx.count('wgmma.mma_async')}")
