@@ -42,7 +42,8 @@ FORWARD_CONFIGS = {64: [(64, 128, 3, 240, "persistent"), (64, 128, 3, 240, "pers
 # "persistent": ping-pong in one program per SM over all tiles; "ppk": ping-pong, a K slot freed as soon as its scores are done;
 # "persistent-kt": persistent, K freed early, and the output stored by TMA from shared memory (overlapping the next tile)
 # (BLOCK_N keys per consumer, BLOCK_M queries per slot, STAGES, registers)
-DKDV_CONFIGS = {64: [(64, 64, 2, 240, "ws")], 128: [(64, 64, 2, 240, "ws")]}
+DKDV_CONFIGS = {64: [(64, 64, 2, 240, "ws"), (64, 64, 2, 240, "persistent-t")],
+                128: [(64, 64, 2, 240, "ws"), (64, 64, 2, 240, "persistent-t"), (64, 32, 3, 240, "persistent-t")]}
 # (BLOCK_M rows per consumer, BLOCK_N keys per slot, STAGES, registers, schedule)
 DQ_CONFIGS = {64: [(64, 64, 3, 240, "pp")], 128: [(64, 64, 2, 240, "ws"), (64, 64, 3, 240, "pp")]}
 LOG2E = 1.4426950408889634
@@ -561,6 +562,137 @@ def ws_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, stride_d
                         KV, T, GROUP, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES)),
     ], [4, 1], [REGS, LOADER_REGS])
 
+# Persistent dK/dV: one program per SM over the (key pair, batch x KV head) tiles, most query blocks first; the loader
+# fetches the next tile's K and V once both consumers are done with the current ones, and dK, dV leave through
+# shared memory by TMA stores that overlap the next tile.
+
+@gluon.jit
+def _dkdvp_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, q_bar, do_bar, free_bar,
+                  KV, T, GROUP, BKV, n_pairs, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                  STAGES: gl.constexpr):
+    it = 0
+    tc = 0
+    for t in range(gl.program_id(0), n_pairs * BKV, gl.num_programs(0)):
+        start_n = (t // BKV) * 2 * BLOCK_N
+        b = (t % BKV) // KV
+        kvh = (t % BKV) % KV
+        row0 = b * T
+        for c in gl.static_range(2):
+            mbarrier.wait(kv_free.index(c), (tc & 1) ^ 1)
+            mbarrier.expect(kv_bar.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [row0 + start_n + c * BLOCK_N, kvh * HEAD_DIM], kv_bar.index(c), k_smem.index(c))
+            tma.async_copy_global_to_shared(v_desc, [row0 + start_n + c * BLOCK_N, kvh * HEAD_DIM], kv_bar.index(c), v_smem.index(c))
+        first_i = start_n // BLOCK_M
+        n_i = gl.cdiv(T, BLOCK_M) - first_i
+        for u in range(GROUP * n_i):
+            slot = it % STAGES
+            mbarrier.wait(free_bar.index(slot), ((it // STAGES) & 1) ^ 1)
+            h = kvh * GROUP + u // n_i
+            row = row0 + (first_i + u % n_i) * BLOCK_M
+            mbarrier.expect(q_bar.index(slot), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [row, h * HEAD_DIM], q_bar.index(slot), q_smem.index(slot))
+            mbarrier.expect(do_bar.index(slot), do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(do_desc, [row, h * HEAD_DIM], do_bar.index(slot), do_smem.index(slot))
+            it += 1
+        tc += 1
+
+@gluon.jit
+def _dkdvp_consumer(k_smem, v_smem, q_smem, do_smem, out_smem, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar,
+                    LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, n_pairs, scale_log2, sm_scale,
+                    C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    NW: gl.constexpr = 4
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
+    key_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    query_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    k_tile = k_smem.index(C)
+    v_tile = v_smem.index(C)
+    it = 0
+    tc = 0
+    for t in range(gl.program_id(0), n_pairs * BKV, gl.num_programs(0)):
+        pair_n = (t // BKV) * 2 * BLOCK_N
+        start_n = pair_n + C * BLOCK_N
+        b = (t % BKV) // KV
+        kvh = (t % BKV) % KV
+        first_i = pair_n // BLOCK_M
+        n_i = gl.cdiv(T, BLOCK_M) - first_i
+        steps = GROUP * n_i
+        k_pos = start_n + gl.arange(0, BLOCK_N, key_rows)
+        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, a_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, a_layout)
+        mbarrier.wait(kv_bar.index(C), tc & 1)
+        for u in range(steps):
+            slot = (it + u) % STAGES
+            phase = ((it + u) // STAGES) & 1
+            qi = first_i + u % n_i
+            mbarrier.wait(q_bar.index(slot), phase)
+            if (qi + 1) * BLOCK_M > start_n:
+                sT = warpgroup_mma(k_tile, q_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                mbarrier.wait(do_bar.index(slot), phase)
+                dpT = warpgroup_mma(v_tile, do_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                sT = warpgroup_mma_wait(num_outstanding=1, deps=[sT])
+                q_pos = qi * BLOCK_M + gl.arange(0, BLOCK_M, query_cols)
+                head = (b * H + kvh * GROUP + u // n_i).to(gl.int64) * T
+                lse2 = gl.load(LSE + head + q_pos, mask=q_pos < T, other=float("inf")) * 1.4426950408889634
+                delta = gl.load(DELTA + head + q_pos, mask=q_pos < T, other=0.0)
+                pT = gl.exp2(sT * scale_log2 - gl.expand_dims(lse2, 0))
+                if qi * BLOCK_M < start_n + BLOCK_N:
+                    pT = gl.where(gl.expand_dims(q_pos, 0) >= gl.expand_dims(k_pos, 1), pT, 0.0)
+                dv = warpgroup_mma(gl.convert_layout(pT.to(gl.bfloat16), p_layout), do_smem.index(slot), dv, is_async=True)
+                dpT = warpgroup_mma_wait(num_outstanding=1, deps=[dpT])
+                dsT = pT * (dpT - gl.expand_dims(delta, 0))
+                dk = warpgroup_mma(gl.convert_layout(dsT.to(gl.bfloat16), p_layout), q_smem.index(slot), dk, is_async=True)
+                dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
+            else:
+                mbarrier.wait(do_bar.index(slot), phase)
+            mbarrier.arrive(free_bar.index(slot), count=1)
+        mbarrier.arrive(kv_free.index(C), count=1)            # K and V of this tile are no longer read
+        if start_n + BLOCK_N <= T:
+            tma.store_wait(0)
+            out_smem.index(0).store((dk * sm_scale).to(gl.bfloat16))
+            out_smem.index(1).store(dv.to(gl.bfloat16))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(dk_desc, [b * T + start_n, kvh * HEAD_DIM], out_smem.index(0))
+            tma.async_copy_shared_to_global(dv_desc, [b * T + start_n, kvh * HEAD_DIM], out_smem.index(1))
+        else:
+            rows = start_n + gl.arange(0, BLOCK_N, gl.SliceLayout(1, a_layout))
+            cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, a_layout))
+            out = b.to(gl.int64) * stride_dkb + kvh.to(gl.int64) * stride_dkh + gl.expand_dims(rows, 1) * stride_dkt + gl.expand_dims(cols, 0)
+            gl.store(DK + out, (dk * sm_scale).to(gl.bfloat16), mask=gl.expand_dims(rows, 1) < T)
+            gl.store(DV + out, dv.to(gl.bfloat16), mask=gl.expand_dims(rows, 1) < T)
+        it += steps
+        tc += 1
+    tma.store_wait(0)
+
+@gluon.jit
+def ws_dkdv_persistent_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh,
+                              H, KV, T, GROUP, BKV, n_pairs, scale_log2, sm_scale,
+                              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                              REGS: gl.constexpr, num_warps: gl.constexpr):
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    out0 = gl.allocate_shared_memory(dk_desc.dtype, [2, BLOCK_N, HEAD_DIM], dk_desc.layout)
+    out1 = gl.allocate_shared_memory(dk_desc.dtype, [2, BLOCK_N, HEAD_DIM], dk_desc.layout)
+    kv_bar = _ring_barriers(2, 1)
+    kv_free = _ring_barriers(2, 1)
+    q_bar = _ring_barriers(STAGES, 1)
+    do_bar = _ring_barriers(STAGES, 1)
+    free_bar = _ring_barriers(STAGES, 2)
+    gl.warp_specialize([
+        (_dkdvp_consumer, (k_smem, v_smem, q_smem, do_smem, out0, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar,
+                           LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, n_pairs, scale_log2, sm_scale,
+                           0, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES)),
+        (_dkdvp_consumer, (k_smem, v_smem, q_smem, do_smem, out1, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar,
+                           LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, n_pairs, scale_log2, sm_scale,
+                           1, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES)),
+        (_dkdvp_loader, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, q_bar, do_bar, free_bar,
+                         KV, T, GROUP, BKV, n_pairs, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES)),
+    ], [4, 1], [REGS, LOADER_REGS])
+
 def ws_dkdv(do, q, k, v, lse, delta, variant=0):
     "dK, dV (B,T,KV,hd) of the causal attention, from the forward's lse and delta = rowsum(dO * O) (fp32, (B,H,T))."
     B, T, H, hd = q.shape
@@ -569,6 +701,14 @@ def ws_dkdv(do, q, k, v, lse, delta, variant=0):
     dk = torch.empty(B, T, KV, hd, dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
     do = do.contiguous()
+    if schedule == "persistent-t":
+        n_pairs = triton.cdiv(T, 2 * block_n)
+        ws_dkdv_persistent_kernel[(min(n_pairs * B * KV, torch.cuda.get_device_properties(q.device).multi_processor_count),)](
+            _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
+            _descriptor(dk, block_n), _descriptor(dv, block_n), lse, delta, dk, dv, *dk.stride()[:3], H, KV, T, H // KV, B * KV, n_pairs,
+            LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, REGS=regs,
+            num_warps=CONSUMER_WARPS)
+        return dk, dv
     ws_dkdv_kernel[(triton.cdiv(T, 2 * block_n), B * KV)](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
         lse, delta, dk, dv, *dk.stride()[:3], H, KV, T, H // KV, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5,
@@ -817,8 +957,9 @@ KERNELS = dict(  # kind: (configs, kernel of a schedule, constexpr names of a co
     forward=(FORWARD_CONFIGS, dict(ws=ws_forward_kernel, pp=ws_forward_pp_kernel, ppk=ws_forward_pp_kernel, persistent=ws_forward_persistent_kernel,
                                    **{"persistent-kt": ws_forward_persistent_kernel}), ("BLOCK_M", "BLOCK_N", "STAGES", "REGS"),
              lambda hd, bm, bn: dict(q_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd), o_desc=(bm, hd))),
-    dkdv=(DKDV_CONFIGS, dict(ws=ws_dkdv_kernel, pp=ws_dkdv_kernel), ("BLOCK_N", "BLOCK_M", "STAGES", "REGS"),
-          lambda hd, bn, bm: dict(q_desc=(bm, hd), do_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd))),
+    dkdv=(DKDV_CONFIGS, dict(ws=ws_dkdv_kernel, pp=ws_dkdv_kernel, **{"persistent-t": ws_dkdv_persistent_kernel}),
+          ("BLOCK_N", "BLOCK_M", "STAGES", "REGS"),
+          lambda hd, bn, bm: dict(q_desc=(bm, hd), do_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd), dk_desc=(bn, hd), dv_desc=(bn, hd))),
     dq=(DQ_CONFIGS, dict(ws=ws_dq_kernel, pp=ws_dq_pp_kernel), ("BLOCK_M", "BLOCK_N", "STAGES", "REGS"),
         lambda hd, bm, bn: dict(q_desc=(bm, hd), do_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd))))
 
@@ -827,7 +968,7 @@ def compile_check():
     for kind, (configs, kernels, names, descs) in KERNELS.items():
         for hd, config in ((hd, c) for hd, cs in configs.items() for c in cs):
             try:
-                extra = (dict(PINGPONG=config[-1] == "pp") if kind == "dkdv" else
+                extra = (dict(PINGPONG=config[-1] == "pp") if kind == "dkdv" and config[-1] != "persistent-t" else
                          dict(EARLY_K=config[-1] == "ppk") if kind == "forward" and config[-1] in ("pp", "ppk") else
                          dict(EARLY_K=config[-1] == "persistent-kt", TMA_STORE=config[-1] == "persistent-kt") if kind == "forward" and
                          config[-1].startswith("persistent") else {})
@@ -949,13 +1090,13 @@ def gpu_main():
             row = dict(shape=name, kernel=kind, ms=med, tflops={arm: work / m / 1e9 for arm, m in med.items()})
             ws_arms = [arm for arm in arms if arm.startswith("ws")]
             row["speed vs rtrainer"] = {arm: _ratios(times, "rtrainer", arm) for arm in ws_arms}
-            if ws_arms:
+            if ws_arms and min(med[a] for a in ws_arms) < med["rtrainer"]:     # else forward + backward keeps rtrainer's kernel
                 top = min(ws_arms, key=med.get)
                 best[kind] = (configs[[("ws " + "/".join(map(str, c))) for c in configs].index(top)], top)
             payload["rows"].append(row)
             print(name, kind, {arm: round(x, 1) for arm, x in row["tflops"].items()}, flush=True)
             table.append((name, kind, row["tflops"]))
-        # forward + backward: rtrainer's three kernels, the best WS variant of each (rtrainer's where none passed), cuDNN
+        # forward + backward: rtrainer's three kernels; the fastest of each kind (a Gluon variant where one beat rtrainer's); cuDNN
         def ws_all():
             for kind in ("forward", "dq", "dkdv"):
                 if kind in best: LAUNCH[kind](a, KERNELS[kind][0][hd].index(best[kind][0]))
