@@ -6,7 +6,7 @@ Docs: https://example.invalid/rtrainer/rtrainer/attention.html.md"""
 
 # %% auto #0
 __all__ = ['SUPPORTED_HEAD_DIMS', 'INTERPRET_BLOCK_M', 'INTERPRET_BLOCK_N', 'LOG2_E', 'LONG_SEQUENCE', 'TUNED_CONFIGS',
-           'FP32_CONFIGS', 'REFERENCE_ATTENTION_SHAPES', 'SWEEP_LENGTHS', 'SWEEP_TOKENS', 'SWEEP_HEADS',
+           'FP32_CONFIGS', 'FAST_PATHS', 'REFERENCE_ATTENTION_SHAPES', 'SWEEP_LENGTHS', 'SWEEP_TOKENS', 'SWEEP_HEADS',
            'SDPA_BACKENDS', 'BENCHMARK_ROUNDS', 'attention_reference', 'attention_sdpa', 'flash_forward_kernel',
            'flash_backward_dkdv_kernel', 'flash_backward_dq_kernel', 'config_kwargs', 'tuned_config',
            'flash_attention_forward', 'flash_backward_dq', 'flash_backward_dkdv', 'flash_attention_backward',
@@ -309,6 +309,11 @@ def _output(buf, shape, like, name, dtype=None):
 
 def _precision(dtype): return "ieee" if dtype == torch.float32 else "tf32"
 
+# Faster kernels for some inputs, registered by a later module (rtrainer.attention_hopper on import): 'forward' is
+# fn(q, k, v, causal, o, lse) and 'dq' is fn(do, q, k, v, o, lse, causal, dq, delta), writing into the given outputs and
+# returning what the Triton launcher would, or None where it does not take the inputs (then the Triton kernel runs).
+FAST_PATHS = {}
+
 def flash_attention_forward(q, k, v, causal=True, o=None, lse=None, config=None):
     "Forward kernel: returns (o (B,T,H,hd) in q's dtype, lse (B,H,T) fp32, natural log); `o`/`lse`/`config` may be given."
     _check_inputs(q, k, v)
@@ -317,6 +322,8 @@ def flash_attention_forward(q, k, v, causal=True, o=None, lse=None, config=None)
     KV = k.shape[2]
     o = _output(o, (B, T, H, hd), q, "o")
     lse = _output(lse, (B, H, T), q, "lse", torch.float32)
+    if config is None and "forward" in FAST_PATHS:
+        if (out := FAST_PATHS["forward"](q, k, v, causal, o, lse)) is not None: return out
     sm_scale = 1.0 / math.sqrt(hd)
     grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)
     launch, config = _launcher("forward", q.dtype, hd, T, config)
@@ -331,6 +338,8 @@ def flash_backward_dq(do, q, k, v, o, lse, causal=True, dq=None, delta=None, con
     KV, sm_scale = k.shape[2], 1.0 / math.sqrt(hd)
     dq = _output(dq, (B, T, H, hd), q, "dq")
     delta = _output(delta, (B, H, T), q, "delta", torch.float32)
+    if config is None and "dq" in FAST_PATHS:
+        if (out := FAST_PATHS["dq"](do, q, k, v, o, lse, causal, dq, delta)) is not None: return out
     launch, config = _launcher("dq", q.dtype, hd, T, config)
     launch[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)](
         q, k, v, o, do, lse, delta, dq, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],

@@ -19,6 +19,11 @@ from .attention import attention_reference
 from .matmul import IGNORE_INDEX, use_measured_gemm_backends
 from .moe import MoeFeedForward
 from .optimizer import policy_dtype
+try:    # the Hopper attention kernels (02a) register themselves in attention.FAST_PATHS; without them the Triton ones run
+    from rtrainer import attention_hopper
+except ImportError as e:
+    import warnings
+    warnings.warn(f"rtrainer: the Hopper attention kernels are unavailable ({e}); the Triton kernels run")
 
 # %% ../nbs/05_model.ipynb #a51bdb95
 def round_up(n, multiple): return (n + multiple - 1) // multiple * multiple

@@ -120,3 +120,27 @@ def test_backward_writes_into_strided_views_and_checks_them():
     assert all(torch.equal(a, b) for a, b in zip(got, expected)) and buf.isfinite().all()
     with pytest.raises(ValueError, match="dk and dv must share their strides"):
         flash_attention_backward(do, q, k, v, o, lse, dk=buf[:, :, H:H + KV], dv=torch.empty(B, T, KV, hd))
+
+def test_fast_paths_get_the_checked_outputs_and_may_decline():
+    "A registered fast path receives the validated output buffers; its result is returned, and None falls back to Triton."
+    from rtrainer.attention import FAST_PATHS, flash_attention_forward, flash_backward_dq, relative_error
+    saved = dict(FAST_PATHS)
+    seen = {}
+    try:
+        q, k, v = fused_qkv_views(1, 19, 4, 2, 64, torch.float32)
+        def forward(q_, k_, v_, causal, o, lse):
+            seen["forward"] = (tuple(o.shape), o.dtype, tuple(lse.shape), lse.dtype, causal)
+            o.fill_(7.0); lse.fill_(3.0)
+            return o, lse
+        FAST_PATHS["forward"] = forward
+        o, lse = flash_attention_forward(q, k, v, True)
+        assert seen["forward"] == ((1, 19, 4, 64), torch.float32, (1, 4, 19), torch.float32, True)
+        assert torch.all(o == 7.0) and torch.all(lse == 3.0)
+        FAST_PATHS["forward"] = lambda *args: None                       # declines: the Triton kernel runs
+        o, lse = flash_attention_forward(q, k, v, True)
+        assert relative_error(o, attention_reference(q.double(), k.double(), v.double(), True)) < 1e-4
+        FAST_PATHS["dq"] = lambda do, q_, k_, v_, o_, lse_, causal, dq, delta: seen.setdefault("dq", (tuple(dq.shape), tuple(delta.shape))) and None
+        dq, delta = flash_backward_dq(torch.randn_like(o), q, k, v, o, lse, True)
+        assert seen["dq"] == ((1, 19, 4, 64), (1, 4, 19)) and dq.isfinite().all() and delta.isfinite().all()
+    finally:
+        FAST_PATHS.clear(); FAST_PATHS.update(saved)

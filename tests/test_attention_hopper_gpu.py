@@ -1,0 +1,66 @@
+"""The Hopper attention kernels (rtrainer.attention_hopper) on an sm_90 GPU: bf16 within 1e-2 of float64 through the
+package's functions, the kernels really taken (CALLS), the Triton kernels for what they decline."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+
+def _hopper():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0): pytest.skip("needs an sm_90 GPU")
+    import rtrainer.attention_hopper as hopper
+    hopper.ENABLED = True
+    return hopper
+
+CASES = [  # B, T, H, KV, hd
+    (2, 1000, 12, 4, 64),     # rb100m heads, T not a multiple of any tile
+    (1, 777, 16, 16, 128),    # dense1b head dim
+    (2, 257, 8, 1, 128),      # one KV head
+    (1, 300, 6, 2, 128),      # groups of 3
+    (1, 513, 48, 48, 64),     # moe4b heads
+    (1, 1, 4, 2, 64),         # a single position
+    (1, 1, 4, 2, 128),
+    (1, 4099, 4, 2, 64),      # long, ragged last tile
+    (2, 1024, 16, 16, 128),   # whole tiles only: every output by TMA store
+]
+
+@pytest.mark.parametrize("B,T,H,KV,hd", CASES)
+def test_hopper_attention_parity(B, T, H, KV, hd):
+    hopper = _hopper()
+    from rtrainer.attention import attention_parity_errors
+    hopper.CALLS.clear()
+    errors = attention_parity_errors(B, T, H, KV, hd, torch.bfloat16, True, device="cuda")
+    print(f"B{B} T{T} H{H} KV{KV} hd{hd}:", {k: f"{e:.1e}" for k, e in errors.items()}, dict(hopper.CALLS))
+    assert max(errors.values()) < 1e-2, errors
+    assert hopper.CALLS["forward"] >= 2 and hopper.CALLS["dq"] == (2 if hd in hopper.DQ_TILES else 0)
+
+@pytest.mark.parametrize("B,T,H,KV,hd", [(2, 1000, 12, 4, 64), (1, 777, 16, 16, 128)])
+def test_hopper_in_the_models_rope_attention(B, T, H, KV, hd):
+    "The model's fused RoPE + attention op, whose q, k are views of one rotated buffer and dq a view of dqkv."
+    hopper = _hopper()
+    from rtrainer.attention import rope_attention_errors
+    hopper.CALLS.clear()
+    error, same = rope_attention_errors(B, T, H, KV, hd, torch.bfloat16, device="cuda")
+    assert error < 1e-2 and same, (error, same)
+    assert hopper.CALLS["forward"] >= 2
+
+def test_hopper_matches_triton_and_declines_what_it_cannot_take():
+    hopper = _hopper()
+    from rtrainer.attention import flash_attention, fused_qkv_views, relative_error
+    q, k, v = fused_qkv_views(2, 600, 8, 4, 128, torch.bfloat16, "cuda")
+    do = torch.randn_like(q)
+    def run():
+        x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = flash_attention(*x)
+        return (out, *torch.autograd.grad(out, x, do))
+    hopper.CALLS.clear()
+    fast = run()
+    assert hopper.CALLS["forward"] == 1 and hopper.CALLS["dq"] == 1
+    hopper.ENABLED = False
+    try: slow = run()
+    finally: hopper.ENABLED = True
+    assert hopper.CALLS["forward"] == 1
+    assert all(relative_error(a, b) < 1e-2 for a, b in zip(fast, slow))
+    for args, why in (((q.half(), k.half(), v.half()), "not bf16"), ((q, k, v, False), "not causal")):
+        hopper.CALLS.clear()
+        flash_attention(*args)
+        assert hopper.CALLS["forward"] == 0, why
