@@ -31,36 +31,30 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 from attention_gluon import _descriptor, _layout, _online_softmax, _compile_sm90, _alternate, _ratios, reference
+# what went into the package (rtrainer.attention_hopper) is taken from there: the persistent forward ("persistent-kt"),
+# the ping-pong dQ kernel ("pp") and the pieces they share; the plain "persistent" forward measured in rounds 3 to 6
+# is at commit c6ef687
+from rtrainer.attention_hopper import (_barriers as _ring_barriers, _query_pair, _take_turn, _dq_loader, hopper_forward_kernel,
+                                       hopper_dq_kernel as ws_dq_pp_kernel)
+import rtrainer.attention_hopper
+rtrainer.attention_hopper.ENABLED = False     # the "rtrainer" arms below are the Triton kernels of rtrainer.attention
 
 ROUNDS = 5
 CONSUMER_WARPS = 4
-LOADER_REGS = gl.constexpr(24)
+from rtrainer.attention_hopper import LOADER_REGS
 # variants: (BLOCK_M rows per consumer, BLOCK_N keys per slot, STAGES, registers per consumer thread, schedule)
-FORWARD_CONFIGS = {64: [(64, 128, 3, 240, "persistent"), (64, 128, 3, 240, "persistent-kt")],
-                   128: [(64, 128, 2, 240, "ppk"), (64, 128, 3, 240, "persistent"), (64, 128, 2, 240, "persistent-kt")]}
+FORWARD_CONFIGS = {64: [(64, 128, 3, 240, "persistent-kt")],
+                   128: [(64, 128, 2, 240, "ppk"), (64, 128, 2, 240, "persistent-kt")]}
 # schedule "ws": each consumer waits for its own matmuls; "pp": ping-pong, the consumers take turns to issue them;
-# "persistent": ping-pong in one program per SM over all tiles; "ppk": ping-pong, a K slot freed as soon as its scores are done;
-# "persistent-kt": persistent, K freed early, and the output stored by TMA from shared memory (overlapping the next tile)
+# "ppk": ping-pong, a K slot freed as soon as its scores are done; "persistent-kt": the package's forward (ping-pong in one
+# program per SM over all tiles, K freed early, the output stored by TMA from shared memory, overlapping the next tile)
 # (BLOCK_N keys per consumer, BLOCK_M queries per slot, STAGES, registers)
 DKDV_CONFIGS = {64: [(64, 64, 2, 240, "ws"), (64, 64, 2, 240, "persistent-t")],
                 128: [(64, 64, 2, 240, "ws"), (64, 64, 2, 240, "persistent-t"), (64, 32, 3, 240, "persistent-t")]}
 # (BLOCK_M rows per consumer, BLOCK_N keys per slot, STAGES, registers, schedule)
-DQ_CONFIGS = {64: [(64, 64, 3, 240, "pp")], 128: [(64, 64, 2, 240, "ws"), (64, 64, 3, 240, "pp")]}
+DQ_CONFIGS = {64: [(64, 64, 3, 240, "pp")], 128: [(64, 64, 3, 240, "pp")]}     # the package's kernel; the plain WS one: commit c6ef687
 LOG2E = 1.4426950408889634
 
-
-@gluon.jit
-def _ring_barriers(n: gl.constexpr, count: gl.constexpr):
-    bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(n):
-        mbarrier.init(bars.index(i), count=count)
-    return bars
-
-@gluon.jit
-def _query_pair(H, GROUP, BLOCK_M: gl.constexpr):
-    "(first row of this program's 2 x BLOCK_M query rows, batch, query head, KV head); grid (query pairs, B*H)."
-    bh = gl.program_id(1)
-    return gl.program_id(0) * 2 * BLOCK_M, bh // H, bh % H, (bh % H) // GROUP
 
 # ---- forward ---------------------------------------------------------------------------------------------------------
 
@@ -144,11 +138,6 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, O, LSE,
     o_ptrs = O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh + gl.expand_dims(rows, 1) * stride_ot + gl.expand_dims(cols, 0)
     gl.store(o_ptrs, acc.to(gl.bfloat16), mask=gl.expand_dims(rows, 1) < T)
     gl.store(LSE + (b * H + h).to(gl.int64) * T + q_pos, (m_i + gl.log2(l_i)) / 1.4426950408889634, mask=q_pos < T)
-
-@gluon.jit
-def _take_turn(turn_bar, k, C: gl.constexpr):
-    "Wait until consumer C may issue its k-th round of wgmma (consumer 0 goes first; they alternate)."
-    mbarrier.wait(turn_bar.index(C), (k & 1) ^ (1 - C))
 
 @gluon.jit
 def _fwd_consumer_pp(q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, k_free, turn_bar, O, LSE, stride_ob, stride_ot, stride_oh,
@@ -251,165 +240,6 @@ def ws_forward_pp_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot, s
                           free_bar, H, T, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [REGS, LOADER_REGS])
 
-# Persistent ping-pong forward: one program per SM walks the (query pair, head) tiles, longest first; the loader runs
-# ahead into the next tile (its Q once both consumers have issued their last score product, its K and V as ring
-# slots free up), so a tile's start overlaps the previous tile's last blocks and epilogue.
-
-@gluon.jit
-def _tile(t, n_pairs, BH, H, GROUP, BLOCK_M: gl.constexpr):
-    "(first query row, batch, head, KV head) of tile t; tiles run longest (last query pair) first."
-    bh = t % BH
-    return (n_pairs - 1 - t // BH) * 2 * BLOCK_M, bh // H, bh % H, (bh % H) // GROUP
-
-@gluon.jit
-def _fwdp_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, k_free, free_bar, H, T, GROUP, BH, n_pairs,
-                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    it = 0
-    tc = 0
-    for t in range(gl.program_id(0), n_pairs * BH, gl.num_programs(0)):
-        start_m, b, h, kvh = _tile(t, n_pairs, BH, H, GROUP, BLOCK_M)
-        row0 = b * T
-        for c in gl.static_range(2):
-            mbarrier.wait(q_free.index(c), (tc & 1) ^ 1)
-            mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [row0 + start_m + c * BLOCK_M, h * HEAD_DIM], q_bar.index(c), q_smem.index(c))
-        n = gl.cdiv(gl.minimum(start_m + 2 * BLOCK_M, T), BLOCK_N)
-        for j in range(n):
-            slot = it % STAGES
-            mbarrier.wait(k_free.index(slot), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(k_bar.index(slot), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [row0 + j * BLOCK_N, kvh * HEAD_DIM], k_bar.index(slot), k_smem.index(slot))
-            mbarrier.wait(free_bar.index(slot), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(v_bar.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [row0 + j * BLOCK_N, kvh * HEAD_DIM], v_bar.index(slot), v_smem.index(slot))
-            it += 1
-        tc += 1
-
-@gluon.jit
-def _fwdp_consumer(q_smem, k_smem, v_smem, o_smem, o_desc, q_bar, q_free, k_bar, v_bar, k_free, free_bar, turn_bar, O, LSE,
-                   stride_ob, stride_ot, stride_oh, H, T, GROUP, BH, n_pairs, scale_log2, C: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   EARLY_K: gl.constexpr, TMA_STORE: gl.constexpr):
-    """EARLY_K: K's slot is freed (k_free) once its scores are done, V's (free_bar) after its product; else both after
-    the product (the loader is then given free_bar twice). TMA_STORE: the output tile goes out through shared memory
-    and an asynchronous TMA store (awaited before the next tile's), unless it reaches past T."""
-    NW: gl.constexpr = 4
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-    s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
-    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    q_tile = q_smem.index(C)
-    other = turn_bar.index(1 - C)
-    it = 0          # ring position of this tile's first key block (the loader's count)
-    turn = 0
-    tc = 0
-    for t in range(gl.program_id(0), n_pairs * BH, gl.num_programs(0)):
-        pair_m, b, h, kvh = _tile(t, n_pairs, BH, H, GROUP, BLOCK_M)
-        start = pair_m + C * BLOCK_M
-        n = gl.cdiv(gl.minimum(start + BLOCK_M, T), BLOCK_N)
-        n_max = gl.cdiv(gl.minimum(pair_m + 2 * BLOCK_M, T), BLOCK_N)
-        n_full = gl.minimum(start // BLOCK_N, n)
-        q_pos = start + gl.arange(0, BLOCK_M, s_rows)
-        m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, s_rows)
-        l_i = gl.zeros([BLOCK_M], gl.float32, s_rows)
-        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-        mbarrier.wait(q_bar.index(C), tc & 1)
-        _take_turn(turn_bar, turn, C)
-        mbarrier.wait(k_bar.index(it % STAGES), (it // STAGES) & 1)
-        s = warpgroup_mma(q_tile, k_smem.index(it % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        mbarrier.arrive(other, count=1)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
-        mbarrier.arrive(q_free.index(C), count=1, pred=n == 1)
-        if EARLY_K:
-            mbarrier.arrive(k_free.index(it % STAGES), count=1)
-        if n_full == 0:
-            k_pos = gl.arange(0, BLOCK_N, s_cols)
-            s = gl.where(gl.expand_dims(q_pos, 1) >= gl.expand_dims(k_pos, 0), s, float("-inf"))
-        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, scale_log2)
-        p = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-        for j in range(1, n):
-            slot = (it + j) % STAGES
-            prev = (it + j - 1) % STAGES
-            _take_turn(turn_bar, turn + j, C)
-            mbarrier.wait(k_bar.index(slot), ((it + j) // STAGES) & 1)
-            s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            mbarrier.wait(v_bar.index(prev), ((it + j - 1) // STAGES) & 1)
-            acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
-            mbarrier.arrive(other, count=1)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
-            mbarrier.arrive(q_free.index(C), count=1, pred=j == n - 1)   # Q's last use is done
-            if EARLY_K:
-                mbarrier.arrive(k_free.index(slot), count=1)
-            if j >= n_full:
-                k_pos = j * BLOCK_N + gl.arange(0, BLOCK_N, s_cols)
-                s = gl.where(gl.expand_dims(q_pos, 1) >= gl.expand_dims(k_pos, 0), s, float("-inf"))
-            p_new, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, scale_log2)
-            p = gl.convert_layout(p_new.to(gl.bfloat16), p_layout)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            mbarrier.arrive(free_bar.index(prev), count=1)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-        for j in range(n, n_max):            # blocks past this tile's diagonal: pass the turn, free the slot once it is filled
-            _take_turn(turn_bar, turn + j, C)
-            mbarrier.arrive(other, count=1)
-            mbarrier.wait(v_bar.index((it + j) % STAGES), ((it + j) // STAGES) & 1)
-            mbarrier.wait(k_bar.index((it + j) % STAGES), ((it + j) // STAGES) & 1)
-            if EARLY_K:
-                mbarrier.arrive(k_free.index((it + j) % STAGES), count=1)
-            mbarrier.arrive(free_bar.index((it + j) % STAGES), count=1)
-        last = (it + n - 1) % STAGES
-        mbarrier.wait(v_bar.index(last), ((it + n - 1) // STAGES) & 1)
-        acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-        mbarrier.arrive(free_bar.index(last), count=1)
-        acc = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
-        if TMA_STORE and start + BLOCK_M <= T:
-            tma.store_wait(0)                       # the previous tile's store has left o_smem
-            o_smem.store(acc.to(gl.bfloat16))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [b * T + start, h * HEAD_DIM], o_smem)
-        else:
-            rows = start + gl.arange(0, BLOCK_M, o_rows)
-            cols = gl.arange(0, HEAD_DIM, o_cols)
-            o_ptrs = O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh + gl.expand_dims(rows, 1) * stride_ot + gl.expand_dims(cols, 0)
-            gl.store(o_ptrs, acc.to(gl.bfloat16), mask=gl.expand_dims(rows, 1) < T)
-        gl.store(LSE + (b * H + h).to(gl.int64) * T + q_pos, (m_i + gl.log2(l_i)) / 1.4426950408889634, mask=q_pos < T)
-        it += n_max
-        turn += n_max
-        tc += 1
-    if TMA_STORE:
-        tma.store_wait(0)
-
-@gluon.jit
-def ws_forward_persistent_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, stride_ob, stride_ot, stride_oh, H, T, GROUP, BH, n_pairs,
-                                 scale_log2, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                 STAGES: gl.constexpr, REGS: gl.constexpr, EARLY_K: gl.constexpr, TMA_STORE: gl.constexpr,
-                                 num_warps: gl.constexpr):
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    o_smem = gl.allocate_shared_memory(o_desc.dtype, [2 if TMA_STORE else 1, BLOCK_M, HEAD_DIM], o_desc.layout)
-    q_bar = _ring_barriers(2, 1)
-    q_free = _ring_barriers(2, 1)
-    k_bar = _ring_barriers(STAGES, 1)
-    v_bar = _ring_barriers(STAGES, 1)
-    k_free = _ring_barriers(STAGES, 2)
-    free_bar = _ring_barriers(STAGES, 2)
-    turn_bar = _ring_barriers(2, 1)
-    gl.warp_specialize([
-        (_fwdp_consumer, (q_smem, k_smem, v_smem, o_smem.index(0), o_desc, q_bar, q_free, k_bar, v_bar, k_free, free_bar, turn_bar,
-                          O, LSE, stride_ob, stride_ot, stride_oh, H, T, GROUP, BH, n_pairs, scale_log2, 0,
-                          HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, EARLY_K, TMA_STORE)),
-        (_fwdp_consumer, (q_smem, k_smem, v_smem, o_smem.index(1 if TMA_STORE else 0), o_desc, q_bar, q_free, k_bar, v_bar, k_free,
-                          free_bar, turn_bar, O, LSE, stride_ob, stride_ot, stride_oh, H, T, GROUP, BH, n_pairs, scale_log2, 1,
-                          HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, EARLY_K, TMA_STORE)),
-        (_fwdp_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, k_free if EARLY_K else free_bar,
-                        free_bar, H, T, GROUP, BH, n_pairs, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-    ], [4, 1], [REGS, LOADER_REGS])
-
 @gluon.jit
 def ws_forward_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot, stride_oh, H, T, GROUP, scale_log2,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -436,12 +266,12 @@ def ws_forward(q, k, v, variant=0):
     block_m, block_n, stages, regs, schedule = FORWARD_CONFIGS[hd][variant]
     o = torch.empty(B, T, H, hd, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
-    if schedule.startswith("persistent"):
+    if schedule == "persistent-kt":                # the package's kernel
         n_pairs = triton.cdiv(T, 2 * block_m)
-        ws_forward_persistent_kernel[(min(n_pairs * B * H, torch.cuda.get_device_properties(q.device).multi_processor_count),)](
+        hopper_forward_kernel[(min(n_pairs * B * H, torch.cuda.get_device_properties(q.device).multi_processor_count),)](
             _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(o, block_m), o, lse, *o.stride()[:3],
             H, T, H // k.shape[2], B * H, n_pairs, LOG2E / hd ** 0.5, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
-            REGS=regs, EARLY_K=schedule == "persistent-kt", TMA_STORE=schedule == "persistent-kt", num_warps=CONSUMER_WARPS)
+            REGS=regs, num_warps=CONSUMER_WARPS)
         return o, lse
     kernel, extra = (ws_forward_pp_kernel, dict(EARLY_K=schedule == "ppk")) if schedule in ("pp", "ppk") else (ws_forward_kernel, {})
     kernel[(triton.cdiv(T, 2 * block_m), B * H)](
@@ -453,27 +283,73 @@ def ws_forward(q, k, v, variant=0):
 # ---- dK/dV -----------------------------------------------------------------------------------------------------------
 
 @gluon.jit
+def _load_kv_pair(k_desc, v_desc, k_smem, v_smem, kv_bar, row, col, BLOCK_N: gl.constexpr):
+    "Both consumers' K and V tiles (keys row .. row + 2 BLOCK_N), each pair on its consumer's barrier."
+    for c in gl.static_range(2):
+        mbarrier.expect(kv_bar.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row + c * BLOCK_N, col], kv_bar.index(c), k_smem.index(c))
+        tma.async_copy_global_to_shared(v_desc, [row + c * BLOCK_N, col], kv_bar.index(c), v_smem.index(c))
+
+@gluon.jit
+def _load_q_do(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, slot, row, col):
+    mbarrier.expect(q_bar.index(slot), q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [row, col], q_bar.index(slot), q_smem.index(slot))
+    mbarrier.expect(do_bar.index(slot), do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(do_desc, [row, col], do_bar.index(slot), do_smem.index(slot))
+
+@gluon.jit
 def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_bar, do_bar, free_bar,
                  KV, T, GROUP, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     start_n = gl.program_id(0) * 2 * BLOCK_N
     b = gl.program_id(1) // KV
     kvh = gl.program_id(1) % KV
     row0 = b * T
-    for c in gl.static_range(2):
-        mbarrier.expect(kv_bar.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row0 + start_n + c * BLOCK_N, kvh * HEAD_DIM], kv_bar.index(c), k_smem.index(c))
-        tma.async_copy_global_to_shared(v_desc, [row0 + start_n + c * BLOCK_N, kvh * HEAD_DIM], kv_bar.index(c), v_smem.index(c))
+    _load_kv_pair(k_desc, v_desc, k_smem, v_smem, kv_bar, row0 + start_n, kvh * HEAD_DIM, BLOCK_N)
     first_i = start_n // BLOCK_M
     n_i = gl.cdiv(T, BLOCK_M) - first_i
     for u in range(GROUP * n_i):
         slot = u % STAGES
         mbarrier.wait(free_bar.index(slot), ((u // STAGES) & 1) ^ 1)
-        h = kvh * GROUP + u // n_i
-        row = row0 + (first_i + u % n_i) * BLOCK_M
-        mbarrier.expect(q_bar.index(slot), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [row, h * HEAD_DIM], q_bar.index(slot), q_smem.index(slot))
-        mbarrier.expect(do_bar.index(slot), do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [row, h * HEAD_DIM], do_bar.index(slot), do_smem.index(slot))
+        _load_q_do(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, slot, row0 + (first_i + u % n_i) * BLOCK_M,
+                   (kvh * GROUP + u // n_i) * HEAD_DIM)
+
+@gluon.jit
+def _dkdv_step(u, it, first_i, n_i, start_n, k_pos, k_tile, v_tile, q_smem, do_smem, q_bar, do_bar, free_bar, turn_bar, dk, dv, zero_s,
+               LSE, DELTA, b, kvh, H, T, GROUP, scale_log2, C: gl.constexpr, query_cols: gl.constexpr, p_layout: gl.constexpr,
+               BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    """Step u of a dK/dV consumer (ring position it + u): the query block's products with this consumer's keys, or
+    nothing where every query precedes them; frees the slot. PINGPONG: take turns to issue the two score products."""
+    slot = (it + u) % STAGES
+    phase = ((it + u) // STAGES) & 1
+    qi = first_i + u % n_i
+    mbarrier.wait(q_bar.index(slot), phase)
+    if PINGPONG:
+        _take_turn(turn_bar, u, C)
+    if (qi + 1) * BLOCK_M > start_n:
+        sT = warpgroup_mma(k_tile, q_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(do_bar.index(slot), phase)
+        dpT = warpgroup_mma(v_tile, do_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn_bar.index(1 - C), count=1)
+        sT = warpgroup_mma_wait(num_outstanding=1, deps=[sT])
+        q_pos = qi * BLOCK_M + gl.arange(0, BLOCK_M, query_cols)
+        head = (b * H + kvh * GROUP + u // n_i).to(gl.int64) * T
+        lse2 = gl.load(LSE + head + q_pos, mask=q_pos < T, other=float("inf")) * 1.4426950408889634
+        delta = gl.load(DELTA + head + q_pos, mask=q_pos < T, other=0.0)
+        pT = gl.exp2(sT * scale_log2 - gl.expand_dims(lse2, 0))
+        if qi * BLOCK_M < start_n + BLOCK_N:         # the block reaches the diagonal
+            pT = gl.where(gl.expand_dims(q_pos, 0) >= gl.expand_dims(k_pos, 1), pT, 0.0)
+        dv = warpgroup_mma(gl.convert_layout(pT.to(gl.bfloat16), p_layout), do_smem.index(slot), dv, is_async=True)
+        dpT = warpgroup_mma_wait(num_outstanding=1, deps=[dpT])
+        dsT = pT * (dpT - gl.expand_dims(delta, 0))
+        dk = warpgroup_mma(gl.convert_layout(dsT.to(gl.bfloat16), p_layout), q_smem.index(slot), dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
+    else:
+        mbarrier.wait(do_bar.index(slot), phase)
+        if PINGPONG:
+            mbarrier.arrive(turn_bar.index(1 - C), count=1)
+    mbarrier.arrive(free_bar.index(slot), count=1)
+    return dk, dv
 
 @gluon.jit
 def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, q_bar, do_bar, free_bar, turn_bar, LSE, DELTA, DK, DV,
@@ -501,36 +377,9 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, q_bar, do_bar, free_
     v_tile = v_smem.index(C)
     mbarrier.wait(kv_bar.index(C), 0)
     for u in range(GROUP * n_i):
-        slot = u % STAGES
-        phase = (u // STAGES) & 1
-        qi = first_i + u % n_i
-        mbarrier.wait(q_bar.index(slot), phase)
-        if PINGPONG:
-            _take_turn(turn_bar, u, C)
-        if (qi + 1) * BLOCK_M > start_n:             # else every query of the block precedes these keys
-            sT = warpgroup_mma(k_tile, q_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            mbarrier.wait(do_bar.index(slot), phase)
-            dpT = warpgroup_mma(v_tile, do_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn_bar.index(1 - C), count=1)
-            sT = warpgroup_mma_wait(num_outstanding=1, deps=[sT])
-            q_pos = qi * BLOCK_M + gl.arange(0, BLOCK_M, query_cols)
-            head = (b * H + kvh * GROUP + u // n_i).to(gl.int64) * T
-            lse2 = gl.load(LSE + head + q_pos, mask=q_pos < T, other=float("inf")) * 1.4426950408889634
-            delta = gl.load(DELTA + head + q_pos, mask=q_pos < T, other=0.0)
-            pT = gl.exp2(sT * scale_log2 - gl.expand_dims(lse2, 0))
-            if qi * BLOCK_M < start_n + BLOCK_N:     # the block reaches the diagonal
-                pT = gl.where(gl.expand_dims(q_pos, 0) >= gl.expand_dims(k_pos, 1), pT, 0.0)
-            dv = warpgroup_mma(gl.convert_layout(pT.to(gl.bfloat16), p_layout), do_smem.index(slot), dv, is_async=True)
-            dpT = warpgroup_mma_wait(num_outstanding=1, deps=[dpT])
-            dsT = pT * (dpT - gl.expand_dims(delta, 0))
-            dk = warpgroup_mma(gl.convert_layout(dsT.to(gl.bfloat16), p_layout), q_smem.index(slot), dk, is_async=True)
-            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
-        else:
-            mbarrier.wait(do_bar.index(slot), phase)
-            if PINGPONG:
-                mbarrier.arrive(turn_bar.index(1 - C), count=1)
-        mbarrier.arrive(free_bar.index(slot), count=1)
+        dk, dv = _dkdv_step(u, 0, first_i, n_i, start_n, k_pos, k_tile, v_tile, q_smem, do_smem, q_bar, do_bar,
+                            free_bar, turn_bar, dk, dv, zero_s, LSE, DELTA, b, kvh, H, T, GROUP, scale_log2, C, query_cols, p_layout,
+                            BLOCK_N, BLOCK_M, STAGES, PINGPONG)
     rows = start_n + gl.arange(0, BLOCK_N, gl.SliceLayout(1, a_layout))
     cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, a_layout))
     out = b.to(gl.int64) * stride_dkb + kvh.to(gl.int64) * stride_dkh + gl.expand_dims(rows, 1) * stride_dkt + gl.expand_dims(cols, 0)
@@ -579,20 +428,14 @@ def _dkdvp_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_sm
         row0 = b * T
         for c in gl.static_range(2):
             mbarrier.wait(kv_free.index(c), (tc & 1) ^ 1)
-            mbarrier.expect(kv_bar.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [row0 + start_n + c * BLOCK_N, kvh * HEAD_DIM], kv_bar.index(c), k_smem.index(c))
-            tma.async_copy_global_to_shared(v_desc, [row0 + start_n + c * BLOCK_N, kvh * HEAD_DIM], kv_bar.index(c), v_smem.index(c))
+        _load_kv_pair(k_desc, v_desc, k_smem, v_smem, kv_bar, row0 + start_n, kvh * HEAD_DIM, BLOCK_N)
         first_i = start_n // BLOCK_M
         n_i = gl.cdiv(T, BLOCK_M) - first_i
         for u in range(GROUP * n_i):
             slot = it % STAGES
             mbarrier.wait(free_bar.index(slot), ((it // STAGES) & 1) ^ 1)
-            h = kvh * GROUP + u // n_i
-            row = row0 + (first_i + u % n_i) * BLOCK_M
-            mbarrier.expect(q_bar.index(slot), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [row, h * HEAD_DIM], q_bar.index(slot), q_smem.index(slot))
-            mbarrier.expect(do_bar.index(slot), do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(do_desc, [row, h * HEAD_DIM], do_bar.index(slot), do_smem.index(slot))
+            _load_q_do(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, slot, row0 + (first_i + u % n_i) * BLOCK_M,
+                       (kvh * GROUP + u // n_i) * HEAD_DIM)
             it += 1
         tc += 1
 
@@ -624,30 +467,9 @@ def _dkdvp_consumer(k_smem, v_smem, q_smem, do_smem, out_smem, dk_desc, dv_desc,
         dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, a_layout)
         mbarrier.wait(kv_bar.index(C), tc & 1)
         for u in range(steps):
-            slot = (it + u) % STAGES
-            phase = ((it + u) // STAGES) & 1
-            qi = first_i + u % n_i
-            mbarrier.wait(q_bar.index(slot), phase)
-            if (qi + 1) * BLOCK_M > start_n:
-                sT = warpgroup_mma(k_tile, q_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                mbarrier.wait(do_bar.index(slot), phase)
-                dpT = warpgroup_mma(v_tile, do_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                sT = warpgroup_mma_wait(num_outstanding=1, deps=[sT])
-                q_pos = qi * BLOCK_M + gl.arange(0, BLOCK_M, query_cols)
-                head = (b * H + kvh * GROUP + u // n_i).to(gl.int64) * T
-                lse2 = gl.load(LSE + head + q_pos, mask=q_pos < T, other=float("inf")) * 1.4426950408889634
-                delta = gl.load(DELTA + head + q_pos, mask=q_pos < T, other=0.0)
-                pT = gl.exp2(sT * scale_log2 - gl.expand_dims(lse2, 0))
-                if qi * BLOCK_M < start_n + BLOCK_N:
-                    pT = gl.where(gl.expand_dims(q_pos, 0) >= gl.expand_dims(k_pos, 1), pT, 0.0)
-                dv = warpgroup_mma(gl.convert_layout(pT.to(gl.bfloat16), p_layout), do_smem.index(slot), dv, is_async=True)
-                dpT = warpgroup_mma_wait(num_outstanding=1, deps=[dpT])
-                dsT = pT * (dpT - gl.expand_dims(delta, 0))
-                dk = warpgroup_mma(gl.convert_layout(dsT.to(gl.bfloat16), p_layout), q_smem.index(slot), dk, is_async=True)
-                dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
-            else:
-                mbarrier.wait(do_bar.index(slot), phase)
-            mbarrier.arrive(free_bar.index(slot), count=1)
+            dk, dv = _dkdv_step(u, it, first_i, n_i, start_n, k_pos, k_tile, v_tile, q_smem, do_smem, q_bar, do_bar, free_bar,
+                                kv_bar, dk, dv, zero_s, LSE, DELTA, b, kvh, H, T, GROUP, scale_log2, C, query_cols, p_layout,
+                                BLOCK_N, BLOCK_M, STAGES, False)
         mbarrier.arrive(kv_free.index(C), count=1)            # K and V of this tile are no longer read
         if start_n + BLOCK_N <= T:
             tma.store_wait(0)
@@ -718,223 +540,6 @@ def ws_dkdv(do, q, k, v, lse, delta, variant=0):
 
 # ---- dQ --------------------------------------------------------------------------------------------------------------
 
-@gluon.jit
-def _dq_loader(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, H, T, GROUP,
-               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    start_m, b, h, kvh = _query_pair(H, GROUP, BLOCK_M)
-    row0 = b * T
-    for c in gl.static_range(2):
-        mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [row0 + start_m + c * BLOCK_M, h * HEAD_DIM], q_bar.index(c), q_smem.index(c))
-        tma.async_copy_global_to_shared(do_desc, [row0 + start_m + c * BLOCK_M, h * HEAD_DIM], q_bar.index(c), do_smem.index(c))
-    n = gl.cdiv(gl.minimum(start_m + 2 * BLOCK_M, T), BLOCK_N)
-    for j in range(n):
-        slot = j % STAGES
-        mbarrier.wait(free_bar.index(slot), ((j // STAGES) & 1) ^ 1)
-        mbarrier.expect(k_bar.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row0 + j * BLOCK_N, kvh * HEAD_DIM], k_bar.index(slot), k_smem.index(slot))
-        mbarrier.expect(v_bar.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row0 + j * BLOCK_N, kvh * HEAD_DIM], v_bar.index(slot), v_smem.index(slot))
-
-@gluon.jit
-def _dq_step(j, q_tile, do_tile, k_smem, v_smem, k_bar, v_bar, free_bar, dq, lse2, delta, q_pos, zero_s, scale_log2,
-             k_cols: gl.constexpr, ds_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr):
-    slot = j % STAGES
-    phase = (j // STAGES) & 1
-    mbarrier.wait(k_bar.index(slot), phase)
-    s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    mbarrier.wait(v_bar.index(slot), phase)
-    dp = warpgroup_mma(do_tile, v_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
-    p = gl.exp2(s * scale_log2 - gl.expand_dims(lse2, 1))
-    if MASK:
-        k_pos = j * BLOCK_N + gl.arange(0, BLOCK_N, k_cols)
-        p = gl.where(gl.expand_dims(q_pos, 1) >= gl.expand_dims(k_pos, 0), p, 0.0)
-    dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp])
-    ds = p * (dp - gl.expand_dims(delta, 1))
-    dq = warpgroup_mma(gl.convert_layout(ds.to(gl.bfloat16), ds_layout), k_smem.index(slot), dq, is_async=True)
-    dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
-    mbarrier.arrive(free_bar.index(slot), count=1)
-    return dq
-
-@gluon.jit
-def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, O, DO, LSE, DELTA, DQ,
-                 stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
-                 H, T, GROUP, scale_log2, sm_scale, C: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    NW: gl.constexpr = 4
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16])
-    a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
-    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
-    load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-    q_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-    k_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
-    pair_m, b, h, kvh = _query_pair(H, GROUP, BLOCK_M)
-    start = pair_m + C * BLOCK_M
-    # δ = rowsum(dO ∘ O) for this tile's rows, stored for the dK/dV kernel
-    rows = start + gl.arange(0, BLOCK_M, gl.SliceLayout(1, load_layout))
-    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, load_layout))
-    inside = gl.expand_dims(rows, 1) < T
-    o_tile = gl.load(O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh + gl.expand_dims(rows, 1) * stride_ot + gl.expand_dims(cols, 0),
-                     mask=inside, other=0.0)
-    do_regs = gl.load(DO + b.to(gl.int64) * stride_dob + h.to(gl.int64) * stride_doh + gl.expand_dims(rows, 1) * stride_dot + gl.expand_dims(cols, 0),
-                      mask=inside, other=0.0)
-    delta_rows = gl.sum(o_tile.to(gl.float32) * do_regs.to(gl.float32), axis=1)
-    gl.store(DELTA + (b * H + h).to(gl.int64) * T + rows, delta_rows, mask=rows < T)
-    delta = gl.convert_layout(delta_rows, q_rows)
-    q_pos = start + gl.arange(0, BLOCK_M, q_rows)
-    lse2 = gl.load(LSE + (b * H + h).to(gl.int64) * T + q_pos, mask=q_pos < T, other=float("inf")) * 1.4426950408889634
-    n = gl.cdiv(gl.minimum(start + BLOCK_M, T), BLOCK_N)
-    n_full = gl.minimum(start // BLOCK_N, n)
-    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, a_layout)
-    q_tile = q_smem.index(C)
-    do_tile = do_smem.index(C)
-    mbarrier.wait(q_bar.index(C), 0)
-    for j in range(0, n_full):
-        dq = _dq_step(j, q_tile, do_tile, k_smem, v_smem, k_bar, v_bar, free_bar, dq, lse2, delta, q_pos, zero_s, scale_log2,
-                      k_cols, ds_layout, BLOCK_N, STAGES, False)
-    for j in range(n_full, n):
-        dq = _dq_step(j, q_tile, do_tile, k_smem, v_smem, k_bar, v_bar, free_bar, dq, lse2, delta, q_pos, zero_s, scale_log2,
-                      k_cols, ds_layout, BLOCK_N, STAGES, True)
-    out_rows = start + gl.arange(0, BLOCK_M, gl.SliceLayout(1, a_layout))
-    out_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, a_layout))
-    out = DQ + b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh + gl.expand_dims(out_rows, 1) * stride_dqt + gl.expand_dims(out_cols, 0)
-    gl.store(out, (dq * sm_scale).to(gl.bfloat16), mask=gl.expand_dims(out_rows, 1) < T)
-
-@gluon.jit
-def _dq_ds(s, dp, j, n_full, lse2, delta, q_pos, scale_log2, k_cols: gl.constexpr, ds_layout: gl.constexpr, BLOCK_N: gl.constexpr):
-    "dS = P ∘ (dP − δ) of key block j, as the bf16 operand of dQ += dS K."
-    p = gl.exp2(s * scale_log2 - gl.expand_dims(lse2, 1))
-    if j >= n_full:
-        k_pos = j * BLOCK_N + gl.arange(0, BLOCK_N, k_cols)
-        p = gl.where(gl.expand_dims(q_pos, 1) >= gl.expand_dims(k_pos, 0), p, 0.0)
-    return gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(gl.bfloat16), ds_layout)
-
-@gluon.jit
-def _dq_consumer_pp(q_smem, do_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, turn_bar, O, DO, LSE, DELTA, DQ,
-                    stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
-                    H, T, GROUP, scale_log2, sm_scale, C: gl.constexpr,
-                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    "Ping-pong dQ: per turn a consumer issues S_j = Q K_jᵀ, dP_j = dO V_jᵀ and dQ += dS_{j-1} K_{j-1}, then passes the turn."
-    NW: gl.constexpr = 4
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16])
-    a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
-    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
-    load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-    q_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-    k_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
-    pair_m, b, h, kvh = _query_pair(H, GROUP, BLOCK_M)
-    start = pair_m + C * BLOCK_M
-    rows = start + gl.arange(0, BLOCK_M, gl.SliceLayout(1, load_layout))
-    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, load_layout))
-    inside = gl.expand_dims(rows, 1) < T
-    o_tile = gl.load(O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh + gl.expand_dims(rows, 1) * stride_ot + gl.expand_dims(cols, 0),
-                     mask=inside, other=0.0)
-    do_regs = gl.load(DO + b.to(gl.int64) * stride_dob + h.to(gl.int64) * stride_doh + gl.expand_dims(rows, 1) * stride_dot + gl.expand_dims(cols, 0),
-                      mask=inside, other=0.0)
-    delta_rows = gl.sum(o_tile.to(gl.float32) * do_regs.to(gl.float32), axis=1)
-    gl.store(DELTA + (b * H + h).to(gl.int64) * T + rows, delta_rows, mask=rows < T)
-    delta = gl.convert_layout(delta_rows, q_rows)
-    q_pos = start + gl.arange(0, BLOCK_M, q_rows)
-    lse2 = gl.load(LSE + (b * H + h).to(gl.int64) * T + q_pos, mask=q_pos < T, other=float("inf")) * 1.4426950408889634
-    n = gl.cdiv(gl.minimum(start + BLOCK_M, T), BLOCK_N)
-    n_max = gl.cdiv(gl.minimum(pair_m + 2 * BLOCK_M, T), BLOCK_N)
-    n_full = gl.minimum(start // BLOCK_N, n)
-    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, a_layout)
-    q_tile = q_smem.index(C)
-    do_tile = do_smem.index(C)
-    other = turn_bar.index(1 - C)
-    mbarrier.wait(q_bar.index(C), 0)
-    _take_turn(turn_bar, 0, C)                                      # block 0: the two score products only
-    mbarrier.wait(k_bar.index(0), 0)
-    s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    mbarrier.wait(v_bar.index(0), 0)
-    dp = warpgroup_mma(do_tile, v_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    mbarrier.arrive(other, count=1)
-    s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
-    dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp])
-    ds = _dq_ds(s, dp, 0, n_full, lse2, delta, q_pos, scale_log2, k_cols, ds_layout, BLOCK_N)
-    for j in range(1, n):
-        slot = j % STAGES
-        phase = (j // STAGES) & 1
-        prev = (j - 1) % STAGES
-        _take_turn(turn_bar, j, C)
-        mbarrier.wait(k_bar.index(slot), phase)
-        s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        mbarrier.wait(v_bar.index(slot), phase)
-        dp = warpgroup_mma(do_tile, v_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        dq = warpgroup_mma(ds, k_smem.index(prev), dq, is_async=True)
-        mbarrier.arrive(other, count=1)
-        s = warpgroup_mma_wait(num_outstanding=2, deps=[s])
-        dp = warpgroup_mma_wait(num_outstanding=1, deps=[dp])
-        ds = _dq_ds(s, dp, j, n_full, lse2, delta, q_pos, scale_log2, k_cols, ds_layout, BLOCK_N)
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
-        mbarrier.arrive(free_bar.index(prev), count=1)
-    for j in range(n, n_max):
-        _take_turn(turn_bar, j, C)
-        mbarrier.arrive(other, count=1)
-    last = (n - 1) % STAGES
-    dq = warpgroup_mma(ds, k_smem.index(last), dq, is_async=True)
-    dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
-    mbarrier.arrive(free_bar.index(last), count=1)
-    out_rows = start + gl.arange(0, BLOCK_M, gl.SliceLayout(1, a_layout))
-    out_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, a_layout))
-    out = DQ + b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh + gl.expand_dims(out_rows, 1) * stride_dqt + gl.expand_dims(out_cols, 0)
-    gl.store(out, (dq * sm_scale).to(gl.bfloat16), mask=gl.expand_dims(out_rows, 1) < T)
-
-@gluon.jit
-def ws_dq_pp_kernel(q_desc, k_desc, v_desc, do_desc, O, DO, LSE, DELTA, DQ,
-                    stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
-                    H, T, GROUP, scale_log2, sm_scale,
-                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    REGS: gl.constexpr, num_warps: gl.constexpr):
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = _ring_barriers(2, 1)
-    k_bar = _ring_barriers(STAGES, 1)
-    v_bar = _ring_barriers(STAGES, 1)
-    free_bar = _ring_barriers(STAGES, 2)
-    turn_bar = _ring_barriers(2, 1)
-    gl.warp_specialize([
-        (_dq_consumer_pp, (q_smem, do_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, turn_bar, O, DO, LSE, DELTA, DQ,
-                           stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
-                           H, T, GROUP, scale_log2, sm_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-        (_dq_consumer_pp, (q_smem, do_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, turn_bar, O, DO, LSE, DELTA, DQ,
-                           stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
-                           H, T, GROUP, scale_log2, sm_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-        (_dq_loader, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, H, T, GROUP,
-                      HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-    ], [4, 1], [REGS, LOADER_REGS])
-
-@gluon.jit
-def ws_dq_kernel(q_desc, k_desc, v_desc, do_desc, O, DO, LSE, DELTA, DQ,
-                 stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
-                 H, T, GROUP, scale_log2, sm_scale,
-                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 REGS: gl.constexpr, num_warps: gl.constexpr):
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = _ring_barriers(2, 1)
-    k_bar = _ring_barriers(STAGES, 1)
-    v_bar = _ring_barriers(STAGES, 1)
-    free_bar = _ring_barriers(STAGES, 2)
-    gl.warp_specialize([
-        (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, O, DO, LSE, DELTA, DQ,
-                        stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
-                        H, T, GROUP, scale_log2, sm_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-        (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, O, DO, LSE, DELTA, DQ,
-                        stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
-                        H, T, GROUP, scale_log2, sm_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-        (_dq_loader, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, H, T, GROUP,
-                      HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-    ], [4, 1], [REGS, LOADER_REGS])
-
 def ws_dq(do, q, k, v, o, lse, variant=0):
     "(dq (B,T,H,hd), delta (B,H,T) fp32) of the causal attention, like rtrainer's flash_backward_dq."
     B, T, H, hd = q.shape
@@ -942,8 +547,7 @@ def ws_dq(do, q, k, v, o, lse, variant=0):
     dq = torch.empty(B, T, H, hd, dtype=q.dtype, device=q.device)
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     do = do.contiguous()
-    kernel = ws_dq_pp_kernel if schedule == "pp" else ws_dq_kernel
-    kernel[(triton.cdiv(T, 2 * block_m), B * H)](
+    ws_dq_pp_kernel[(triton.cdiv(T, 2 * block_m), B * H)](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m), o, do, lse, delta, dq,
         *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3], H, T, H // k.shape[2], LOG2E / hd ** 0.5, 1.0 / hd ** 0.5,
         HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, REGS=regs, num_warps=CONSUMER_WARPS)
@@ -954,13 +558,12 @@ def _maxnreg(ptx):
     return re.findall(r"setmaxnreg[.a-z0-9]*\s+(\d+)", ptx)
 
 KERNELS = dict(  # kind: (configs, kernel of a schedule, constexpr names of a config, descriptor blocks of a config)
-    forward=(FORWARD_CONFIGS, dict(ws=ws_forward_kernel, pp=ws_forward_pp_kernel, ppk=ws_forward_pp_kernel, persistent=ws_forward_persistent_kernel,
-                                   **{"persistent-kt": ws_forward_persistent_kernel}), ("BLOCK_M", "BLOCK_N", "STAGES", "REGS"),
+    forward=(FORWARD_CONFIGS, dict(ws=ws_forward_kernel, pp=ws_forward_pp_kernel, ppk=ws_forward_pp_kernel, **{"persistent-kt": hopper_forward_kernel}), ("BLOCK_M", "BLOCK_N", "STAGES", "REGS"),
              lambda hd, bm, bn: dict(q_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd), o_desc=(bm, hd))),
     dkdv=(DKDV_CONFIGS, dict(ws=ws_dkdv_kernel, pp=ws_dkdv_kernel, **{"persistent-t": ws_dkdv_persistent_kernel}),
           ("BLOCK_N", "BLOCK_M", "STAGES", "REGS"),
           lambda hd, bn, bm: dict(q_desc=(bm, hd), do_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd), dk_desc=(bn, hd), dv_desc=(bn, hd))),
-    dq=(DQ_CONFIGS, dict(ws=ws_dq_kernel, pp=ws_dq_pp_kernel), ("BLOCK_M", "BLOCK_N", "STAGES", "REGS"),
+    dq=(DQ_CONFIGS, dict(pp=ws_dq_pp_kernel), ("BLOCK_M", "BLOCK_N", "STAGES", "REGS"),
         lambda hd, bm, bn: dict(q_desc=(bm, hd), do_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd))))
 
 def compile_check():
@@ -970,8 +573,7 @@ def compile_check():
             try:
                 extra = (dict(PINGPONG=config[-1] == "pp") if kind == "dkdv" and config[-1] != "persistent-t" else
                          dict(EARLY_K=config[-1] == "ppk") if kind == "forward" and config[-1] in ("pp", "ppk") else
-                         dict(EARLY_K=config[-1] == "persistent-kt", TMA_STORE=config[-1] == "persistent-kt") if kind == "forward" and
-                         config[-1].startswith("persistent") else {})
+                         {})
                 usage, smem, ptx = _compile_sm90(kernels[config[-1]], dict(HEAD_DIM=hd, num_warps=CONSUMER_WARPS, **extra, **dict(zip(names, config[:-1]))),
                                                  descs(hd, config[0], config[1]), CONSUMER_WARPS)
                 print(f"{kind} hd {hd} {config}: {usage}, shared {smem} B, setmaxnreg {_maxnreg(ptx)}, wgmma {ptx.count('wgmma.mma_async')}")
