@@ -7,7 +7,7 @@ Docs: https://example.invalid/rtrainer/rtrainer/optimizer.html.md"""
 # %% auto #0
 __all__ = ['PRECISIONS', 'CLIP_EPS', 'ADAMW_BLOCK_SIZE', 'ADAMW_CHUNK_SIZE', 'ADAMW_NUM_WARPS', 'ALIGNMENT_BYTES', 'TABLE_BUILDS',
            'CAPTURE_STAGING', 'BENCHMARK_MATRICES', 'BENCHMARK_MATRIX', 'BENCHMARK_QUICK_MATRIX', 'ADAMW_VARIANTS',
-           'parameter_kind', 'policy_dtype', 'apply_precision_policy', 'fp32_scalar', 'adamw_scalars',
+           'parameter_kind', 'policy_dtype', 'apply_precision_policy', 'fp32_scalar', 'adamw_scalars', 'sqrt_rn',
            'adamw_update_reference', 'skipped', 'adamw_update_all_reference', 'grad_norm_reference', 'AdamW',
            'clip_coefficient', 'clip_grad_norm', 'clip_scale', 'warmup_cosine', 'constant', 'fp32_to_bf16_nearest_even',
            'adamw_block', 'adamw_multi_tensor_kernel', 'adamw_chunk', 'sum_of_squares_multi_tensor_kernel',
@@ -65,6 +65,12 @@ def adamw_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale=1.0):
                 inv_bias_correction2=fp32_scalar(1 / (1 - beta2 ** step)),
                 eps=fp32_scalar(eps), grad_scale=grad_scale)
 
+def sqrt_rn(x):
+    """The correctly rounded square root of fp32 `x`, as the kernel's `tl.sqrt_rn`. torch's CPU `sqrt` is not always
+    (torch 2.13 on this project's CI machine: about 1 fp32 input in 5 one ulp off); through fp64 it is, since one
+    rounding of the fp64 root to fp32 is exact for square roots. CUDA's fp32 `sqrt` is correctly rounded."""
+    return x.sqrt() if x.is_cuda else x.double().sqrt().to(x.dtype)
+
 def adamw_update_reference(param, grad, exp_avg, exp_avg_sq, decay, s):
     "One AdamW step on one tensor in place: fp32 math on the widened master, rounded back to param's dtype. `s` from `adamw_scalars`."
     g = grad.float() * s["grad_scale"]                 # a float, or a one-element tensor that broadcasts
@@ -74,7 +80,7 @@ def adamw_update_reference(param, grad, exp_avg, exp_avg_sq, decay, s):
     v_hat = exp_avg_sq * s["inv_bias_correction2"]
     master = param.float()
     if decay: master = master - master * s["lr_weight_decay"]
-    master = master - (m_hat / (v_hat.sqrt() + s["eps"])) * s["lr"]
+    master = master - (m_hat / (sqrt_rn(v_hat) + s["eps"])) * s["lr"]
     param.copy_(master.to(param.dtype))                 # round to nearest even into bf16 (or exact for fp32)
 
 register_op("adamw_update", "torch", adamw_update_reference)

@@ -44,7 +44,10 @@ passed=$((passed+count-nb_failed)); failed=$((failed+nb_failed))
 
 echo "== pytest"
 start=$SECONDS
-"$BIN/python" -m pytest -q -m "not cuda" -p no:cacheprovider --junitxml="$LOGS/pytest.xml" tests 2>&1 | tail -n 30
+"$BIN/python" -m pytest -q -rfE -m "not cuda" -p no:cacheprovider --junitxml="$LOGS/pytest.xml" tests > "$LOGS/pytest.log" 2>&1
+# the short summary (one FAILED/ERROR line per test) survives a long traceback above it
+grep -v '^WARNING' "$LOGS/pytest.log" | sed -n '/short test summary info/,$p' | tail -n 40
+grep -q 'short test summary info' "$LOGS/pytest.log" || tail -n 30 "$LOGS/pytest.log"
 read -r t_total t_fail < <("$BIN/python" - "$LOGS/pytest.xml" <<'PY'
 import sys, xml.etree.ElementTree as ET
 try: root = ET.parse(sys.argv[1]).getroot()
