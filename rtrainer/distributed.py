@@ -15,7 +15,7 @@ __all__ = ['MULTICAST_OFF', 'DIST_TIMEOUT_S', 'DATA_PARALLEL', 'DDP_BUCKET_BYTES
            'scaling_suite', 'loss_curve_suite']
 
 # %% ../nbs/08_distributed.ipynb #f09253a6
-import argparse, dataclasses, datetime, functools, json, math, os, shlex, shutil, signal, subprocess, sys, tempfile, time, warnings
+import argparse, dataclasses, datetime, functools, gc, json, math, os, shlex, shutil, signal, subprocess, sys, tempfile, time, warnings
 from dataclasses import asdict
 from pathlib import Path
 import torch
@@ -496,20 +496,26 @@ def run_distributed_train(args):
     mcfg = model_config_from_args(args, cfg.seq_len)
     wait_for_bundled_data(cfg)
     rank, _, _ = init_distributed(cfg.device)
-    trainer = None
+    trainer, status, report = None, 1, []
     try:
         trainer = DistributedTrainer(cfg, mcfg, dp=getattr(args, "dp", None) or os.environ.get("RTRAINER_DP", "fsdp"))
         trainer.run()
+        last = [r for r in trainer.history if r.get("sample")]
+        if last: report.append(f"sample: {last[-1]['sample']!r}")
+        report.append(f"loss curve: {trainer.out_dir / 'loss_curve.png'}, metrics: {trainer.out_dir / 'metrics.jsonl'}")
+        status = 0
     except NonFiniteLoss as e:
-        if rank == 0: print(f"rtrainer train: error: {e}", file=sys.stderr)
-        return 1
+        report.append(f"rtrainer train: error: {e}")
     finally:
+        # The wrapped model and the sharded parameters hold the process group. Release them and let the group's worker
+        # threads finish now: a gloo worker still dropping its last tensors while Python shuts down aborts the process
+        # ("terminate called without an active exception"; the core dumps of tests/dist_teardown_stress.sh show it).
+        trainer = None
+        gc.collect()
         if dist.is_initialized(): dist.destroy_process_group()
     if rank == 0:
-        last = [r for r in trainer.history if r.get("sample")]
-        if last: print(f"sample: {last[-1]['sample']!r}")
-        print(f"loss curve: {trainer.out_dir / 'loss_curve.png'}, metrics: {trainer.out_dir / 'metrics.jsonl'}")
-    return 0
+        for line in report: print(line, file=sys.stderr if status else sys.stdout)
+    return status
 
 def main(argv=None):
     "`python -m rtrainer.distributed [train] FLAGS` (a torchrun worker) or `... export DCP OUT`."
