@@ -8,7 +8,7 @@ Docs: https://example.invalid/rtrainer/rtrainer/attention_hopper.html.md"""
 __all__ = ['LOG2E', 'LOADER_REGS', 'CONSUMER_REGS', 'FORWARD_TILES', 'DQ_TILES', 'ENABLED', 'CALLS', 'hopper_forward_kernel',
            'hopper_dq_kernel', 'tma_refusal', 'hopper_refusal', 'hopper_forward', 'hopper_dq']
 
-# %% ../nbs/02a_attention_hopper.ipynb #34c71b58
+# %% ../nbs/02a_attention_hopper.ipynb #435dbad1
 import collections, os
 import torch
 import triton
@@ -19,7 +19,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .kernels import INTERPRETING
 from .attention import FAST_PATHS
 
-# %% ../nbs/02a_attention_hopper.ipynb #e6da6d0c
+# %% ../nbs/02a_attention_hopper.ipynb #2f27e687
 LOG2E = 1.4426950408889634
 _LOG2E = gl.constexpr(LOG2E)       # the same, readable inside the kernels
 LOADER_REGS = gl.constexpr(24)     # registers per thread of the loader warp: it only issues copies
@@ -49,7 +49,7 @@ def _online_softmax(s, m_i, l_i, scale_log2):
     alpha = gl.exp2(m_i - m_new)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
 
-# %% ../nbs/02a_attention_hopper.ipynb #e0134900
+# %% ../nbs/02a_attention_hopper.ipynb #de33bc09
 @gluon.jit
 def _tile(t, n_pairs, BH, H, GROUP, BLOCK_M: gl.constexpr):
     "(first query row, batch, head, KV head) of tile t; the tiles with the most key blocks (last query pairs) come first."
@@ -81,7 +81,7 @@ def _forward_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_fre
             it += 1
         tc += 1
 
-# %% ../nbs/02a_attention_hopper.ipynb #3d44974e
+# %% ../nbs/02a_attention_hopper.ipynb #e758aec4
 @gluon.jit
 def _masked(s, q_pos, j, BLOCK_N: gl.constexpr, s_cols: gl.constexpr):
     "Scores of key block j with keys after their query set to -inf."
@@ -208,7 +208,7 @@ def hopper_forward_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, stride_ob, str
                            H, T, GROUP, BH, n_pairs, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [REGS, LOADER_REGS])
 
-# %% ../nbs/02a_attention_hopper.ipynb #1d78ee12
+# %% ../nbs/02a_attention_hopper.ipynb #6cd20fbe
 @gluon.jit
 def _query_pair(H, GROUP, BLOCK_M: gl.constexpr):
     "(first row of this program's 2 x BLOCK_M query rows, batch, query head, KV head); grid (query pairs, B*H)."
@@ -342,7 +342,7 @@ def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, O, DO, LSE, DELTA, DQ,
                       HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [REGS, LOADER_REGS])
 
-# %% ../nbs/02a_attention_hopper.ipynb #b2cde956
+# %% ../nbs/02a_attention_hopper.ipynb #b75a6f71
 ENABLED = os.environ.get("RTRAINER_HOPPER_ATTENTION", "1") != "0"
 CALLS = collections.Counter()        # launches that took the Hopper path, by kernel (tests check that it ran)
 
@@ -401,7 +401,7 @@ def hopper_dq(do, q, k, v, o, lse, dq=None, delta=None):
     CALLS["dq"] += 1
     return dq, delta
 
-# %% ../nbs/02a_attention_hopper.ipynb #9ef351ca
+# %% ../nbs/02a_attention_hopper.ipynb #6c30f011
 # attention.py's launchers have checked the outputs' shapes, dtypes and unit last strides; what is left is what the
 # kernels need beyond that: the output O written through a TMA descriptor, lse and δ contiguous.
 def _fast_forward(q, k, v, causal, o, lse):
