@@ -8,8 +8,8 @@ Docs: https://example.invalid/rtrainer/rtrainer/attention_hopper.html.md"""
 __all__ = ['LOG2E', 'LOADER_REGS', 'CONSUMER_REGS', 'FORWARD_TILES', 'DQ_TILES', 'ENABLED', 'CALLS', 'hopper_forward_kernel',
            'hopper_dq_kernel', 'tma_refusal', 'hopper_refusal', 'hopper_forward', 'hopper_dq']
 
-# %% ../nbs/02a_attention_hopper.ipynb #435dbad1
-import collections, os
+# %% ../nbs/02a_attention_hopper.ipynb #d91c67b1
+import collections, functools, os
 import torch
 import triton
 from triton.experimental import gluon
@@ -19,7 +19,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .kernels import INTERPRETING
 from .attention import FAST_PATHS
 
-# %% ../nbs/02a_attention_hopper.ipynb #2f27e687
+# %% ../nbs/02a_attention_hopper.ipynb #96fe558b
 LOG2E = 1.4426950408889634
 _LOG2E = gl.constexpr(LOG2E)       # the same, readable inside the kernels
 LOADER_REGS = gl.constexpr(24)     # registers per thread of the loader warp: it only issues copies
@@ -37,6 +37,12 @@ def _barriers(n: gl.constexpr, count: gl.constexpr):
     return bars
 
 @gluon.jit
+def _load(desc, smem, bar, slot, row, col):
+    "TMA copy of one (rows, hd) block at (row, col) of `desc` into ring slot `slot`, counted on that slot's barrier."
+    mbarrier.expect(bar.index(slot), desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [row, col], bar.index(slot), smem.index(slot))
+
+@gluon.jit
 def _take_turn(turn_bar, k, C: gl.constexpr):
     "Wait until consumer C may issue its k-th round of matmuls (consumer 0 goes first; the two alternate)."
     mbarrier.wait(turn_bar.index(C), (k & 1) ^ (1 - C))
@@ -49,7 +55,7 @@ def _online_softmax(s, m_i, l_i, scale_log2):
     alpha = gl.exp2(m_i - m_new)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
 
-# %% ../nbs/02a_attention_hopper.ipynb #de33bc09
+# %% ../nbs/02a_attention_hopper.ipynb #78ca69c6
 @gluon.jit
 def _tile(t, n_pairs, BH, H, GROUP, BLOCK_M: gl.constexpr):
     "(first query row, batch, head, KV head) of tile t; the tiles with the most key blocks (last query pairs) come first."
@@ -68,20 +74,17 @@ def _forward_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_fre
         row0 = b * T
         for c in gl.static_range(2):
             mbarrier.wait(q_free.index(c), (tc & 1) ^ 1)          # a fresh barrier passes phase 1 at once
-            mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [row0 + start_m + c * BLOCK_M, h * HEAD_DIM], q_bar.index(c), q_smem.index(c))
+            _load(q_desc, q_smem, q_bar, c, row0 + start_m + c * BLOCK_M, h * HEAD_DIM)
         for j in range(gl.cdiv(gl.minimum(start_m + 2 * BLOCK_M, T), BLOCK_N)):
             slot = it % STAGES
             mbarrier.wait(k_free.index(slot), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(k_bar.index(slot), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [row0 + j * BLOCK_N, kvh * HEAD_DIM], k_bar.index(slot), k_smem.index(slot))
+            _load(k_desc, k_smem, k_bar, slot, row0 + j * BLOCK_N, kvh * HEAD_DIM)
             mbarrier.wait(v_free.index(slot), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(v_bar.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [row0 + j * BLOCK_N, kvh * HEAD_DIM], v_bar.index(slot), v_smem.index(slot))
+            _load(v_desc, v_smem, v_bar, slot, row0 + j * BLOCK_N, kvh * HEAD_DIM)
             it += 1
         tc += 1
 
-# %% ../nbs/02a_attention_hopper.ipynb #e758aec4
+# %% ../nbs/02a_attention_hopper.ipynb #6db3a566
 @gluon.jit
 def _masked(s, q_pos, j, BLOCK_N: gl.constexpr, s_cols: gl.constexpr):
     "Scores of key block j with keys after their query set to -inf."
@@ -208,7 +211,7 @@ def hopper_forward_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, stride_ob, str
                            H, T, GROUP, BH, n_pairs, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [REGS, LOADER_REGS])
 
-# %% ../nbs/02a_attention_hopper.ipynb #6cd20fbe
+# %% ../nbs/02a_attention_hopper.ipynb #c2bd57cc
 @gluon.jit
 def _query_pair(H, GROUP, BLOCK_M: gl.constexpr):
     "(first row of this program's 2 x BLOCK_M query rows, batch, query head, KV head); grid (query pairs, B*H)."
@@ -228,10 +231,8 @@ def _dq_loader(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
     for j in range(gl.cdiv(gl.minimum(start_m + 2 * BLOCK_M, T), BLOCK_N)):
         slot = j % STAGES
         mbarrier.wait(free_bar.index(slot), ((j // STAGES) & 1) ^ 1)
-        mbarrier.expect(k_bar.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row0 + j * BLOCK_N, kvh * HEAD_DIM], k_bar.index(slot), k_smem.index(slot))
-        mbarrier.expect(v_bar.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row0 + j * BLOCK_N, kvh * HEAD_DIM], v_bar.index(slot), v_smem.index(slot))
+        _load(k_desc, k_smem, k_bar, slot, row0 + j * BLOCK_N, kvh * HEAD_DIM)
+        _load(v_desc, v_smem, v_bar, slot, row0 + j * BLOCK_N, kvh * HEAD_DIM)
 
 @gluon.jit
 def _dq_ds(s, dp, j, n_full, lse2, delta, q_pos, scale_log2, k_cols: gl.constexpr, ds_layout: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -342,7 +343,7 @@ def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, O, DO, LSE, DELTA, DQ,
                       HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [REGS, LOADER_REGS])
 
-# %% ../nbs/02a_attention_hopper.ipynb #b75a6f71
+# %% ../nbs/02a_attention_hopper.ipynb #0948c8bc
 ENABLED = os.environ.get("RTRAINER_HOPPER_ATTENTION", "1") != "0"
 CALLS = collections.Counter()        # launches that took the Hopper path, by kernel (tests check that it ran)
 
@@ -362,16 +363,24 @@ def hopper_refusal(q, k, v, causal=True):
     if INTERPRETING: return "Triton's interpreter"
     if q.dtype != torch.bfloat16: return f"{q.dtype}, not bf16"
     if q.shape[-1] not in FORWARD_TILES: return f"head dim {q.shape[-1]}"
-    if torch.cuda.get_device_capability(q.device) != (9, 0): return "not a Hopper (sm_90) GPU"
+    if not _is_sm90(q.device.index): return "not a Hopper (sm_90) GPU"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if (why := tma_refusal(t)): return f"{name}: {why}"
     return None
 
+@functools.lru_cache
+def _is_sm90(index): return torch.cuda.get_device_capability(index) == (9, 0)
+
+@functools.lru_cache
+def _sm_count(index): return torch.cuda.get_device_properties(index).multi_processor_count
+
+@functools.lru_cache
+def _block_layout(rows, hd): return gl.NVMMASharedLayout.get_default_for([rows, hd], gl.bfloat16)
+
 def _descriptor(t, rows):
-    "2-D TMA descriptor over (B*T, heads*hd) of a (B, T, heads, hd) tensor, in blocks of (rows, hd)."
+    "2-D TMA descriptor over (B*T, heads*hd) of a (B, T, heads, hd) bf16 tensor, in blocks of (rows, hd)."
     B, T, heads, hd = t.shape
-    block = [rows, hd]
-    return TensorDescriptor(t, [B * T, heads * hd], [t.stride(1), 1], block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
+    return TensorDescriptor(t, [B * T, heads * hd], [t.stride(1), 1], [rows, hd], _block_layout(rows, hd))
 
 def hopper_forward(q, k, v, o=None, lse=None):
     "(o (B,T,H,hd) bf16, lse (B,H,T) fp32, natural log) of causal attention by the persistent Hopper kernel."
@@ -380,7 +389,7 @@ def hopper_forward(q, k, v, o=None, lse=None):
     o = torch.empty(B, T, H, hd, dtype=q.dtype, device=q.device) if o is None else o
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device) if lse is None else lse
     n_pairs = triton.cdiv(T, 2 * block_m)
-    programs = min(n_pairs * B * H, torch.cuda.get_device_properties(q.device).multi_processor_count)
+    programs = min(n_pairs * B * H, _sm_count(q.device.index))
     hopper_forward_kernel[(programs,)](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(o, block_m), o, lse, *o.stride()[:3],
         H, T, H // k.shape[2], B * H, n_pairs, LOG2E / hd ** 0.5, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
@@ -401,7 +410,7 @@ def hopper_dq(do, q, k, v, o, lse, dq=None, delta=None):
     CALLS["dq"] += 1
     return dq, delta
 
-# %% ../nbs/02a_attention_hopper.ipynb #6c30f011
+# %% ../nbs/02a_attention_hopper.ipynb #c4858959
 # attention.py's launchers have checked the outputs' shapes, dtypes and unit last strides; what is left is what the
 # kernels need beyond that: the output O written through a TMA descriptor, lse and δ contiguous.
 def _fast_forward(q, k, v, causal, o, lse):
@@ -409,8 +418,8 @@ def _fast_forward(q, k, v, causal, o, lse):
     return hopper_forward(q, k, v, o, lse)
 
 def _fast_dq(do, q, k, v, o, lse, causal, dq, delta):
-    if q.shape[-1] not in DQ_TILES or hopper_refusal(q, k, v, causal) or tma_refusal(do) or not lse.is_contiguous(): return None
-    if not delta.is_contiguous(): return None
+    if (q.shape[-1] not in DQ_TILES or hopper_refusal(q, k, v, causal) or tma_refusal(do) or not lse.is_contiguous()
+            or not delta.is_contiguous()): return None
     return hopper_dq(do, q, k, v, o, lse, dq, delta)
 
 FAST_PATHS.update(forward=_fast_forward, dq=_fast_dq)

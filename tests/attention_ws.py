@@ -30,12 +30,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
-from attention_gluon import _descriptor, _layout, _online_softmax, _compile_sm90, _alternate, _ratios, reference
+from attention_gluon import _compile_sm90, _alternate, _ratios, reference
 # what went into the package (rtrainer.attention_hopper) is taken from there: the persistent forward ("persistent-kt"),
 # the ping-pong dQ kernel ("pp") and the pieces they share; the plain "persistent" forward measured in rounds 3 to 6
 # is at commit c6ef687
-from rtrainer.attention_hopper import (_barriers as _ring_barriers, _query_pair, _take_turn, _dq_loader, hopper_forward_kernel,
-                                       hopper_dq_kernel as ws_dq_pp_kernel)
+from rtrainer.attention_hopper import (_barriers as _ring_barriers, _query_pair, _take_turn, _online_softmax, _load, _descriptor,
+                                       _dq_loader, hopper_forward_kernel, hopper_dq_kernel as ws_dq_pp_kernel)
 import rtrainer.attention_hopper
 rtrainer.attention_hopper.ENABLED = False     # the "rtrainer" arms below are the Triton kernels of rtrainer.attention
 
@@ -71,17 +71,14 @@ def _fwd_loader_kv(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar,
     start_m, b, h, kvh = _query_pair(H, GROUP, BLOCK_M)
     row0 = b * T
     for c in gl.static_range(2):
-        mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [row0 + start_m + c * BLOCK_M, h * HEAD_DIM], q_bar.index(c), q_smem.index(c))
+        _load(q_desc, q_smem, q_bar, c, row0 + start_m + c * BLOCK_M, h * HEAD_DIM)
     n = gl.cdiv(gl.minimum(start_m + 2 * BLOCK_M, T), BLOCK_N)
     for j in range(n):
         slot = j % STAGES
         mbarrier.wait(k_free.index(slot), ((j // STAGES) & 1) ^ 1)     # a fresh barrier passes phase 1 at once
-        mbarrier.expect(k_bar.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row0 + j * BLOCK_N, kvh * HEAD_DIM], k_bar.index(slot), k_smem.index(slot))
+        _load(k_desc, k_smem, k_bar, slot, row0 + j * BLOCK_N, kvh * HEAD_DIM)
         mbarrier.wait(v_free.index(slot), ((j // STAGES) & 1) ^ 1)
-        mbarrier.expect(v_bar.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row0 + j * BLOCK_N, kvh * HEAD_DIM], v_bar.index(slot), v_smem.index(slot))
+        _load(v_desc, v_smem, v_bar, slot, row0 + j * BLOCK_N, kvh * HEAD_DIM)
 
 @gluon.jit
 def _fwd_step(j, q_tile, k_smem, v_smem, k_bar, v_bar, free_bar, acc, m_i, l_i, q_pos, zero_s, scale_log2,
@@ -291,13 +288,6 @@ def _load_kv_pair(k_desc, v_desc, k_smem, v_smem, kv_bar, row, col, BLOCK_N: gl.
         tma.async_copy_global_to_shared(v_desc, [row + c * BLOCK_N, col], kv_bar.index(c), v_smem.index(c))
 
 @gluon.jit
-def _load_q_do(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, slot, row, col):
-    mbarrier.expect(q_bar.index(slot), q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [row, col], q_bar.index(slot), q_smem.index(slot))
-    mbarrier.expect(do_bar.index(slot), do_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(do_desc, [row, col], do_bar.index(slot), do_smem.index(slot))
-
-@gluon.jit
 def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_bar, do_bar, free_bar,
                  KV, T, GROUP, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     start_n = gl.program_id(0) * 2 * BLOCK_N
@@ -310,8 +300,9 @@ def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_sme
     for u in range(GROUP * n_i):
         slot = u % STAGES
         mbarrier.wait(free_bar.index(slot), ((u // STAGES) & 1) ^ 1)
-        _load_q_do(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, slot, row0 + (first_i + u % n_i) * BLOCK_M,
-                   (kvh * GROUP + u // n_i) * HEAD_DIM)
+        row, col = row0 + (first_i + u % n_i) * BLOCK_M, (kvh * GROUP + u // n_i) * HEAD_DIM
+        _load(q_desc, q_smem, q_bar, slot, row, col)
+        _load(do_desc, do_smem, do_bar, slot, row, col)
 
 @gluon.jit
 def _dkdv_step(u, it, first_i, n_i, start_n, k_pos, k_tile, v_tile, q_smem, do_smem, q_bar, do_bar, free_bar, turn_bar, dk, dv, zero_s,
@@ -434,8 +425,9 @@ def _dkdvp_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_sm
         for u in range(GROUP * n_i):
             slot = it % STAGES
             mbarrier.wait(free_bar.index(slot), ((it // STAGES) & 1) ^ 1)
-            _load_q_do(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, slot, row0 + (first_i + u % n_i) * BLOCK_M,
-                       (kvh * GROUP + u // n_i) * HEAD_DIM)
+            row, col = row0 + (first_i + u % n_i) * BLOCK_M, (kvh * GROUP + u // n_i) * HEAD_DIM
+            _load(q_desc, q_smem, q_bar, slot, row, col)
+            _load(do_desc, do_smem, do_bar, slot, row, col)
             it += 1
         tc += 1
 
