@@ -44,13 +44,15 @@ CONSUMER_WARPS = 4
 from rtrainer.attention_hopper import LOADER_REGS
 # variants: (BLOCK_M rows per consumer, BLOCK_N keys per slot, STAGES, registers per consumer thread, schedule)
 FORWARD_CONFIGS = {64: [(64, 128, 3, 240, "persistent-kt")],
-                   128: [(64, 128, 2, 240, "ppk"), (64, 128, 2, 240, "persistent-kt")]}
+                   128: [(64, 128, 2, 240, "persistent-kt")]}
 # schedule "ws": each consumer waits for its own matmuls; "pp": ping-pong, the consumers take turns to issue them;
 # "ppk": ping-pong, a K slot freed as soon as its scores are done; "persistent-kt": the package's forward (ping-pong in one
 # program per SM over all tiles, K freed early, the output stored by TMA from shared memory, overlapping the next tile)
 # (BLOCK_N keys per consumer, BLOCK_M queries per slot, STAGES, registers)
-DKDV_CONFIGS = {64: [(64, 64, 2, 240, "ws"), (64, 64, 2, 240, "persistent-t")],
-                128: [(64, 64, 2, 240, "ws"), (64, 64, 2, 240, "persistent-t"), (64, 32, 3, 240, "persistent-t")]}
+# "persistent-tp": persistent-t with each step's lse and δ loaded during the step before; "persistent-te": loaded in
+# the step, once its score products are issued (instead of after the first of them is done)
+DKDV_CONFIGS = {64: [(64, 64, 2, 240, "persistent-t"), (64, 64, 2, 240, "persistent-tp"), (64, 64, 2, 240, "persistent-te")],
+                128: [(64, 64, 2, 240, "persistent-t"), (64, 64, 2, 240, "persistent-tp"), (64, 64, 2, 240, "persistent-te")]}
 # (BLOCK_M rows per consumer, BLOCK_N keys per slot, STAGES, registers, schedule)
 DQ_CONFIGS = {64: [(64, 64, 3, 240, "pp")], 128: [(64, 64, 3, 240, "pp")]}     # the package's kernel; the plain WS one: commit c6ef687
 LOG2E = 1.4426950408889634
@@ -343,6 +345,56 @@ def _dkdv_step(u, it, first_i, n_i, start_n, k_pos, k_tile, v_tile, q_smem, do_s
     return dk, dv
 
 @gluon.jit
+def _dkdv_rows(LSE, DELTA, u, first_i, n_i, b, kvh, H, T, GROUP, query_cols: gl.constexpr, BLOCK_M: gl.constexpr):
+    "log2-scaled lse and δ of the query block of step u (masked off past the tile's last step)."
+    q_pos = (first_i + u % n_i) * BLOCK_M + gl.arange(0, BLOCK_M, query_cols)
+    head = (b * H + kvh * GROUP + u // n_i).to(gl.int64) * T
+    ok = (q_pos < T) & (u < GROUP * n_i)
+    lse2 = gl.load(LSE + head + q_pos, mask=ok, other=float("inf")) * 1.4426950408889634
+    delta = gl.load(DELTA + head + q_pos, mask=ok, other=0.0)
+    return lse2, delta
+
+@gluon.jit
+def _dkdv_step_prefetch(u, it, first_i, n_i, start_n, k_pos, k_tile, v_tile, q_smem, do_smem, q_bar, do_bar, free_bar, dk, dv,
+                        lse2, delta, zero_s, LSE, DELTA, b, kvh, H, T, GROUP, scale_log2, query_cols: gl.constexpr,
+                        p_layout: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                        AHEAD: gl.constexpr):
+    """_dkdv_step with lse and δ loaded while the step's two score products run, so that their global-memory latency
+    is off the critical path. AHEAD: this step's are already in registers and the next step's are loaded (more live
+    registers); else this step's are loaded once its products are issued."""
+    slot = (it + u) % STAGES
+    phase = ((it + u) // STAGES) & 1
+    qi = first_i + u % n_i
+    mbarrier.wait(q_bar.index(slot), phase)
+    if (qi + 1) * BLOCK_M > start_n:
+        sT = warpgroup_mma(k_tile, q_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(do_bar.index(slot), phase)
+        dpT = warpgroup_mma(v_tile, do_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        if AHEAD:
+            next_lse2, next_delta = _dkdv_rows(LSE, DELTA, u + 1, first_i, n_i, b, kvh, H, T, GROUP, query_cols, BLOCK_M)
+        else:
+            lse2, delta = _dkdv_rows(LSE, DELTA, u, first_i, n_i, b, kvh, H, T, GROUP, query_cols, BLOCK_M)
+            next_lse2, next_delta = lse2, delta
+        sT = warpgroup_mma_wait(num_outstanding=1, deps=[sT])
+        pT = gl.exp2(sT * scale_log2 - gl.expand_dims(lse2, 0))
+        if qi * BLOCK_M < start_n + BLOCK_N:         # the block reaches the diagonal
+            q_pos = qi * BLOCK_M + gl.arange(0, BLOCK_M, query_cols)
+            pT = gl.where(gl.expand_dims(q_pos, 0) >= gl.expand_dims(k_pos, 1), pT, 0.0)
+        dv = warpgroup_mma(gl.convert_layout(pT.to(gl.bfloat16), p_layout), do_smem.index(slot), dv, is_async=True)
+        dpT = warpgroup_mma_wait(num_outstanding=1, deps=[dpT])
+        dsT = pT * (dpT - gl.expand_dims(delta, 0))
+        dk = warpgroup_mma(gl.convert_layout(dsT.to(gl.bfloat16), p_layout), q_smem.index(slot), dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
+    else:
+        mbarrier.wait(do_bar.index(slot), phase)
+        if AHEAD:
+            next_lse2, next_delta = _dkdv_rows(LSE, DELTA, u + 1, first_i, n_i, b, kvh, H, T, GROUP, query_cols, BLOCK_M)
+        else:
+            next_lse2, next_delta = lse2, delta
+    mbarrier.arrive(free_bar.index(slot), count=1)
+    return dk, dv, next_lse2, next_delta
+
+@gluon.jit
 def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, q_bar, do_bar, free_bar, turn_bar, LSE, DELTA, DK, DV,
                    stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, scale_log2, sm_scale, C: gl.constexpr,
                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
@@ -434,7 +486,8 @@ def _dkdvp_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_sm
 @gluon.jit
 def _dkdvp_consumer(k_smem, v_smem, q_smem, do_smem, out_smem, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar,
                     LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, n_pairs, scale_log2, sm_scale,
-                    C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+                    C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                    PREFETCH: gl.constexpr, AHEAD: gl.constexpr):
     NW: gl.constexpr = 4
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
@@ -458,10 +511,18 @@ def _dkdvp_consumer(k_smem, v_smem, q_smem, do_smem, out_smem, dk_desc, dv_desc,
         dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, a_layout)
         dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, a_layout)
         mbarrier.wait(kv_bar.index(C), tc & 1)
-        for u in range(steps):
-            dk, dv = _dkdv_step(u, it, first_i, n_i, start_n, k_pos, k_tile, v_tile, q_smem, do_smem, q_bar, do_bar, free_bar,
-                                kv_bar, dk, dv, zero_s, LSE, DELTA, b, kvh, H, T, GROUP, scale_log2, C, query_cols, p_layout,
-                                BLOCK_N, BLOCK_M, STAGES, False)
+        if PREFETCH:
+            lse2, delta = _dkdv_rows(LSE, DELTA, 0, first_i, n_i, b, kvh, H, T, GROUP, query_cols, BLOCK_M)
+            for u in range(steps):
+                dk, dv, lse2, delta = _dkdv_step_prefetch(u, it, first_i, n_i, start_n, k_pos, k_tile, v_tile, q_smem, do_smem,
+                                                          q_bar, do_bar, free_bar, dk, dv, lse2, delta, zero_s, LSE, DELTA, b, kvh,
+                                                          H, T, GROUP, scale_log2, query_cols, p_layout, BLOCK_N, BLOCK_M, STAGES,
+                                                          AHEAD)
+        else:
+            for u in range(steps):
+                dk, dv = _dkdv_step(u, it, first_i, n_i, start_n, k_pos, k_tile, v_tile, q_smem, do_smem, q_bar, do_bar, free_bar,
+                                    kv_bar, dk, dv, zero_s, LSE, DELTA, b, kvh, H, T, GROUP, scale_log2, C, query_cols, p_layout,
+                                    BLOCK_N, BLOCK_M, STAGES, False)
         mbarrier.arrive(kv_free.index(C), count=1)            # K and V of this tile are no longer read
         if start_n + BLOCK_N <= T:
             tma.store_wait(0)
@@ -484,7 +545,7 @@ def _dkdvp_consumer(k_smem, v_smem, q_smem, do_smem, out_smem, dk_desc, dv_desc,
 def ws_dkdv_persistent_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh,
                               H, KV, T, GROUP, BKV, n_pairs, scale_log2, sm_scale,
                               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                              REGS: gl.constexpr, num_warps: gl.constexpr):
+                              REGS: gl.constexpr, PREFETCH: gl.constexpr, AHEAD: gl.constexpr, num_warps: gl.constexpr):
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -499,10 +560,10 @@ def ws_dkdv_persistent_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     gl.warp_specialize([
         (_dkdvp_consumer, (k_smem, v_smem, q_smem, do_smem, out0, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar,
                            LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, n_pairs, scale_log2, sm_scale,
-                           0, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES)),
+                           0, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, PREFETCH, AHEAD)),
         (_dkdvp_consumer, (k_smem, v_smem, q_smem, do_smem, out1, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar,
                            LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, n_pairs, scale_log2, sm_scale,
-                           1, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES)),
+                           1, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, PREFETCH, AHEAD)),
         (_dkdvp_loader, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, q_bar, do_bar, free_bar,
                          KV, T, GROUP, BKV, n_pairs, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES)),
     ], [4, 1], [REGS, LOADER_REGS])
@@ -515,13 +576,13 @@ def ws_dkdv(do, q, k, v, lse, delta, variant=0):
     dk = torch.empty(B, T, KV, hd, dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
     do = do.contiguous()
-    if schedule == "persistent-t":
+    if schedule in ("persistent-t", "persistent-tp", "persistent-te"):
         n_pairs = triton.cdiv(T, 2 * block_n)
         ws_dkdv_persistent_kernel[(min(n_pairs * B * KV, torch.cuda.get_device_properties(q.device).multi_processor_count),)](
             _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
             _descriptor(dk, block_n), _descriptor(dv, block_n), lse, delta, dk, dv, *dk.stride()[:3], H, KV, T, H // KV, B * KV, n_pairs,
             LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, REGS=regs,
-            num_warps=CONSUMER_WARPS)
+            PREFETCH=schedule != "persistent-t", AHEAD=schedule == "persistent-tp", num_warps=CONSUMER_WARPS)
         return dk, dv
     ws_dkdv_kernel[(triton.cdiv(T, 2 * block_n), B * KV)](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
@@ -552,7 +613,7 @@ def _maxnreg(ptx):
 KERNELS = dict(  # kind: (configs, kernel of a schedule, constexpr names of a config, descriptor blocks of a config)
     forward=(FORWARD_CONFIGS, dict(ws=ws_forward_kernel, pp=ws_forward_pp_kernel, ppk=ws_forward_pp_kernel, **{"persistent-kt": hopper_forward_kernel}), ("BLOCK_M", "BLOCK_N", "STAGES", "REGS"),
              lambda hd, bm, bn: dict(q_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd), o_desc=(bm, hd))),
-    dkdv=(DKDV_CONFIGS, dict(ws=ws_dkdv_kernel, pp=ws_dkdv_kernel, **{"persistent-t": ws_dkdv_persistent_kernel}),
+    dkdv=(DKDV_CONFIGS, dict(ws=ws_dkdv_kernel, pp=ws_dkdv_kernel, **{s: ws_dkdv_persistent_kernel for s in ("persistent-t", "persistent-tp", "persistent-te")}),
           ("BLOCK_N", "BLOCK_M", "STAGES", "REGS"),
           lambda hd, bn, bm: dict(q_desc=(bm, hd), do_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd), dk_desc=(bn, hd), dv_desc=(bn, hd))),
     dq=(DQ_CONFIGS, dict(pp=ws_dq_pp_kernel), ("BLOCK_M", "BLOCK_N", "STAGES", "REGS"),
@@ -563,7 +624,8 @@ def compile_check():
     for kind, (configs, kernels, names, descs) in KERNELS.items():
         for hd, config in ((hd, c) for hd, cs in configs.items() for c in cs):
             try:
-                extra = (dict(PINGPONG=config[-1] == "pp") if kind == "dkdv" and config[-1] != "persistent-t" else
+                extra = (dict(PINGPONG=config[-1] == "pp") if kind == "dkdv" and config[-1] in ("ws", "pp") else
+                         dict(PREFETCH=config[-1] != "persistent-t", AHEAD=config[-1] == "persistent-tp") if kind == "dkdv" else
                          dict(EARLY_K=config[-1] == "ppk") if kind == "forward" and config[-1] in ("pp", "ppk") else
                          {})
                 usage, smem, ptx = _compile_sm90(kernels[config[-1]], dict(HEAD_DIM=hd, num_warps=CONSUMER_WARPS, **extra, **dict(zip(names, config[:-1]))),
