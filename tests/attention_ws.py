@@ -50,9 +50,11 @@ FORWARD_CONFIGS = {64: [(64, 128, 3, 240, "persistent-kt")],
 # program per SM over all tiles, K freed early, the output stored by TMA from shared memory, overlapping the next tile)
 # (BLOCK_N keys per consumer, BLOCK_M queries per slot, STAGES, registers)
 # "persistent-tp": persistent-t with each step's lse and δ loaded during the step before; "persistent-te": loaded in
-# the step, once its score products are issued (instead of after the first of them is done)
-DKDV_CONFIGS = {64: [(64, 64, 2, 240, "persistent-t"), (64, 64, 2, 240, "persistent-tp"), (64, 64, 2, 240, "persistent-te")],
-                128: [(64, 64, 2, 240, "persistent-t"), (64, 64, 2, 240, "persistent-tp"), (64, 64, 2, 240, "persistent-te")]}
+# the step, once its score products are issued (instead of after the first of them is done); "persistent-tc": a step
+# ahead, held one value per thread until used (fewer live registers)
+DKDV_CONFIGS = {64: [(64, 64, 2, 240, "persistent-tp"), (64, 64, 2, 240, "persistent-tc"), (64, 64, 3, 240, "persistent-tp")],
+                128: [(64, 64, 2, 240, "persistent-tp"), (64, 64, 2, 240, "persistent-tc"), (64, 64, 2, 248, "persistent-tc"),
+                      (64, 64, 2, 248, "persistent-tp")]}
 # (BLOCK_M rows per consumer, BLOCK_N keys per slot, STAGES, registers, schedule)
 DQ_CONFIGS = {64: [(64, 64, 3, 240, "pp")], 128: [(64, 64, 3, 240, "pp")]}     # the package's kernel; the plain WS one: commit c6ef687
 LOG2E = 1.4426950408889634
@@ -346,7 +348,7 @@ def _dkdv_step(u, it, first_i, n_i, start_n, k_pos, k_tile, v_tile, q_smem, do_s
 
 @gluon.jit
 def _dkdv_rows(LSE, DELTA, u, first_i, n_i, b, kvh, H, T, GROUP, query_cols: gl.constexpr, BLOCK_M: gl.constexpr):
-    "log2-scaled lse and δ of the query block of step u (masked off past the tile's last step)."
+    "log2-scaled lse and δ of the query block of step u (masked off past the tile's last step), in layout query_cols."
     q_pos = (first_i + u % n_i) * BLOCK_M + gl.arange(0, BLOCK_M, query_cols)
     head = (b * H + kvh * GROUP + u // n_i).to(gl.int64) * T
     ok = (q_pos < T) & (u < GROUP * n_i)
@@ -358,10 +360,11 @@ def _dkdv_rows(LSE, DELTA, u, first_i, n_i, b, kvh, H, T, GROUP, query_cols: gl.
 def _dkdv_step_prefetch(u, it, first_i, n_i, start_n, k_pos, k_tile, v_tile, q_smem, do_smem, q_bar, do_bar, free_bar, dk, dv,
                         lse2, delta, zero_s, LSE, DELTA, b, kvh, H, T, GROUP, scale_log2, query_cols: gl.constexpr,
                         p_layout: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                        AHEAD: gl.constexpr):
+                        AHEAD: gl.constexpr, COMPACT: gl.constexpr):
     """_dkdv_step with lse and δ loaded while the step's two score products run, so that their global-memory latency
     is off the critical path. AHEAD: this step's are already in registers and the next step's are loaded (more live
-    registers); else this step's are loaded once its products are issued."""
+    registers); else this step's are loaded once its products are issued. COMPACT: query_cols is a layout of one value
+    per thread (few live registers), converted to the score columns' layout where used."""
     slot = (it + u) % STAGES
     phase = ((it + u) // STAGES) & 1
     qi = first_i + u % n_i
@@ -376,13 +379,15 @@ def _dkdv_step_prefetch(u, it, first_i, n_i, start_n, k_pos, k_tile, v_tile, q_s
             lse2, delta = _dkdv_rows(LSE, DELTA, u, first_i, n_i, b, kvh, H, T, GROUP, query_cols, BLOCK_M)
             next_lse2, next_delta = lse2, delta
         sT = warpgroup_mma_wait(num_outstanding=1, deps=[sT])
-        pT = gl.exp2(sT * scale_log2 - gl.expand_dims(lse2, 0))
+        lse_cols = gl.convert_layout(lse2, gl.SliceLayout(0, zero_s.type.layout))     # no-op unless COMPACT
+        delta_cols = gl.convert_layout(delta, gl.SliceLayout(0, zero_s.type.layout))
+        pT = gl.exp2(sT * scale_log2 - gl.expand_dims(lse_cols, 0))
         if qi * BLOCK_M < start_n + BLOCK_N:         # the block reaches the diagonal
-            q_pos = qi * BLOCK_M + gl.arange(0, BLOCK_M, query_cols)
+            q_pos = qi * BLOCK_M + gl.arange(0, BLOCK_M, gl.SliceLayout(0, zero_s.type.layout))
             pT = gl.where(gl.expand_dims(q_pos, 0) >= gl.expand_dims(k_pos, 1), pT, 0.0)
         dv = warpgroup_mma(gl.convert_layout(pT.to(gl.bfloat16), p_layout), do_smem.index(slot), dv, is_async=True)
         dpT = warpgroup_mma_wait(num_outstanding=1, deps=[dpT])
-        dsT = pT * (dpT - gl.expand_dims(delta, 0))
+        dsT = pT * (dpT - gl.expand_dims(delta_cols, 0))
         dk = warpgroup_mma(gl.convert_layout(dsT.to(gl.bfloat16), p_layout), q_smem.index(slot), dk, is_async=True)
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
     else:
@@ -487,7 +492,7 @@ def _dkdvp_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_sm
 def _dkdvp_consumer(k_smem, v_smem, q_smem, do_smem, out_smem, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar,
                     LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, n_pairs, scale_log2, sm_scale,
                     C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                    PREFETCH: gl.constexpr, AHEAD: gl.constexpr):
+                    PREFETCH: gl.constexpr, AHEAD: gl.constexpr, COMPACT: gl.constexpr):
     NW: gl.constexpr = 4
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
@@ -512,12 +517,13 @@ def _dkdvp_consumer(k_smem, v_smem, q_smem, do_smem, out_smem, dk_desc, dv_desc,
         dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, a_layout)
         mbarrier.wait(kv_bar.index(C), tc & 1)
         if PREFETCH:
-            lse2, delta = _dkdv_rows(LSE, DELTA, 0, first_i, n_i, b, kvh, H, T, GROUP, query_cols, BLOCK_M)
+            row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0]) if COMPACT else query_cols
+            lse2, delta = _dkdv_rows(LSE, DELTA, 0, first_i, n_i, b, kvh, H, T, GROUP, row_layout, BLOCK_M)
             for u in range(steps):
                 dk, dv, lse2, delta = _dkdv_step_prefetch(u, it, first_i, n_i, start_n, k_pos, k_tile, v_tile, q_smem, do_smem,
                                                           q_bar, do_bar, free_bar, dk, dv, lse2, delta, zero_s, LSE, DELTA, b, kvh,
-                                                          H, T, GROUP, scale_log2, query_cols, p_layout, BLOCK_N, BLOCK_M, STAGES,
-                                                          AHEAD)
+                                                          H, T, GROUP, scale_log2, row_layout, p_layout, BLOCK_N, BLOCK_M, STAGES,
+                                                          AHEAD, COMPACT)
         else:
             for u in range(steps):
                 dk, dv = _dkdv_step(u, it, first_i, n_i, start_n, k_pos, k_tile, v_tile, q_smem, do_smem, q_bar, do_bar, free_bar,
@@ -545,7 +551,8 @@ def _dkdvp_consumer(k_smem, v_smem, q_smem, do_smem, out_smem, dk_desc, dv_desc,
 def ws_dkdv_persistent_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh,
                               H, KV, T, GROUP, BKV, n_pairs, scale_log2, sm_scale,
                               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                              REGS: gl.constexpr, PREFETCH: gl.constexpr, AHEAD: gl.constexpr, num_warps: gl.constexpr):
+                              REGS: gl.constexpr, PREFETCH: gl.constexpr, AHEAD: gl.constexpr, COMPACT: gl.constexpr,
+                              num_warps: gl.constexpr):
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -560,10 +567,10 @@ def ws_dkdv_persistent_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     gl.warp_specialize([
         (_dkdvp_consumer, (k_smem, v_smem, q_smem, do_smem, out0, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar,
                            LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, n_pairs, scale_log2, sm_scale,
-                           0, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, PREFETCH, AHEAD)),
+                           0, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, PREFETCH, AHEAD, COMPACT)),
         (_dkdvp_consumer, (k_smem, v_smem, q_smem, do_smem, out1, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar,
                            LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, n_pairs, scale_log2, sm_scale,
-                           1, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, PREFETCH, AHEAD)),
+                           1, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, PREFETCH, AHEAD, COMPACT)),
         (_dkdvp_loader, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, q_bar, do_bar, free_bar,
                          KV, T, GROUP, BKV, n_pairs, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES)),
     ], [4, 1], [REGS, LOADER_REGS])
@@ -576,13 +583,14 @@ def ws_dkdv(do, q, k, v, lse, delta, variant=0):
     dk = torch.empty(B, T, KV, hd, dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
     do = do.contiguous()
-    if schedule in ("persistent-t", "persistent-tp", "persistent-te"):
+    if schedule.startswith("persistent-t"):
         n_pairs = triton.cdiv(T, 2 * block_n)
         ws_dkdv_persistent_kernel[(min(n_pairs * B * KV, torch.cuda.get_device_properties(q.device).multi_processor_count),)](
             _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
             _descriptor(dk, block_n), _descriptor(dv, block_n), lse, delta, dk, dv, *dk.stride()[:3], H, KV, T, H // KV, B * KV, n_pairs,
             LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, REGS=regs,
-            PREFETCH=schedule != "persistent-t", AHEAD=schedule == "persistent-tp", num_warps=CONSUMER_WARPS)
+            PREFETCH=schedule != "persistent-t", AHEAD=schedule in ("persistent-tp", "persistent-tc"),
+            COMPACT=schedule == "persistent-tc", num_warps=CONSUMER_WARPS)
         return dk, dv
     ws_dkdv_kernel[(triton.cdiv(T, 2 * block_n), B * KV)](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
@@ -613,7 +621,7 @@ def _maxnreg(ptx):
 KERNELS = dict(  # kind: (configs, kernel of a schedule, constexpr names of a config, descriptor blocks of a config)
     forward=(FORWARD_CONFIGS, dict(ws=ws_forward_kernel, pp=ws_forward_pp_kernel, ppk=ws_forward_pp_kernel, **{"persistent-kt": hopper_forward_kernel}), ("BLOCK_M", "BLOCK_N", "STAGES", "REGS"),
              lambda hd, bm, bn: dict(q_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd), o_desc=(bm, hd))),
-    dkdv=(DKDV_CONFIGS, dict(ws=ws_dkdv_kernel, pp=ws_dkdv_kernel, **{s: ws_dkdv_persistent_kernel for s in ("persistent-t", "persistent-tp", "persistent-te")}),
+    dkdv=(DKDV_CONFIGS, dict(ws=ws_dkdv_kernel, pp=ws_dkdv_kernel, **{s: ws_dkdv_persistent_kernel for s in ("persistent-t", "persistent-tp", "persistent-te", "persistent-tc")}),
           ("BLOCK_N", "BLOCK_M", "STAGES", "REGS"),
           lambda hd, bn, bm: dict(q_desc=(bm, hd), do_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd), dk_desc=(bn, hd), dv_desc=(bn, hd))),
     dq=(DQ_CONFIGS, dict(pp=ws_dq_pp_kernel), ("BLOCK_M", "BLOCK_N", "STAGES", "REGS"),
@@ -625,7 +633,8 @@ def compile_check():
         for hd, config in ((hd, c) for hd, cs in configs.items() for c in cs):
             try:
                 extra = (dict(PINGPONG=config[-1] == "pp") if kind == "dkdv" and config[-1] in ("ws", "pp") else
-                         dict(PREFETCH=config[-1] != "persistent-t", AHEAD=config[-1] == "persistent-tp") if kind == "dkdv" else
+                         dict(PREFETCH=config[-1] != "persistent-t", AHEAD=config[-1] in ("persistent-tp", "persistent-tc"),
+                              COMPACT=config[-1] == "persistent-tc") if kind == "dkdv" else
                          dict(EARLY_K=config[-1] == "ppk") if kind == "forward" and config[-1] in ("pp", "ppk") else
                          {})
                 usage, smem, ptx = _compile_sm90(kernels[config[-1]], dict(HEAD_DIM=hd, num_warps=CONSUMER_WARPS, **extra, **dict(zip(names, config[:-1]))),
