@@ -310,8 +310,9 @@ def _output(buf, shape, like, name, dtype=None):
 def _precision(dtype): return "ieee" if dtype == torch.float32 else "tf32"
 
 # Faster kernels for some inputs, registered by a later module (rtrainer.attention_hopper on import): 'forward' is
-# fn(q, k, v, causal, o, lse) and 'dq' is fn(do, q, k, v, o, lse, causal, dq, delta), writing into the given outputs and
-# returning what the Triton launcher would, or None where it does not take the inputs (then the Triton kernel runs).
+# fn(q, k, v, causal, o, lse), 'dq' fn(do, q, k, v, o, lse, causal, dq, delta) and 'dkdv' fn(do, q, k, v, lse, delta,
+# causal, dk, dv), writing into the given outputs and returning what the Triton launcher would, or None where it does
+# not take the inputs (then the Triton kernel runs).
 FAST_PATHS = {}
 
 def flash_attention_forward(q, k, v, causal=True, o=None, lse=None, config=None):
@@ -356,6 +357,8 @@ def flash_backward_dkdv(do, q, k, v, lse, delta, causal=True, dk=None, dv=None, 
     dv = _output(dv, (B, T, KV, hd), v, "dv")
     if dk.stride() != dv.stride():     # the kernel writes both with dk's strides
         raise ValueError(f"flash_attention: dk and dv must share their strides, got {dk.stride()} and {dv.stride()}")
+    if config is None and "dkdv" in FAST_PATHS:
+        if (out := FAST_PATHS["dkdv"](do, q, k, v, lse, delta, causal, dk, dv)) is not None: return out
     launch, config = _launcher("dkdv", q.dtype, hd, T, config)
     launch[lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * KV)](
         q, k, v, do, lse, delta, dk, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],

@@ -35,7 +35,8 @@ from attention_gluon import _compile_sm90, _alternate, _ratios, reference
 # the ping-pong dQ kernel ("pp") and the pieces they share; the plain "persistent" forward measured in rounds 3 to 6
 # is at commit c6ef687
 from rtrainer.attention_hopper import (_barriers as _ring_barriers, _query_pair, _take_turn, _online_softmax, _load, _descriptor,
-                                       _dq_loader, hopper_forward_kernel, hopper_dq_kernel as ws_dq_pp_kernel)
+                                       _dq_loader, hopper_forward_kernel, hopper_dq_kernel as ws_dq_pp_kernel,
+                                       _dkdv_loader as _dkdv_persistent_loader, _dkdv_rows)
 import rtrainer.attention_hopper
 rtrainer.attention_hopper.ENABLED = False     # the "rtrainer" arms below are the Triton kernels of rtrainer.attention
 
@@ -347,16 +348,6 @@ def _dkdv_step(u, it, first_i, n_i, start_n, k_pos, k_tile, v_tile, q_smem, do_s
     return dk, dv
 
 @gluon.jit
-def _dkdv_rows(LSE, DELTA, u, first_i, n_i, b, kvh, H, T, GROUP, query_cols: gl.constexpr, BLOCK_M: gl.constexpr):
-    "log2-scaled lse and δ of the query block of step u (masked off past the tile's last step), in layout query_cols."
-    q_pos = (first_i + u % n_i) * BLOCK_M + gl.arange(0, BLOCK_M, query_cols)
-    head = (b * H + kvh * GROUP + u // n_i).to(gl.int64) * T
-    ok = (q_pos < T) & (u < GROUP * n_i)
-    lse2 = gl.load(LSE + head + q_pos, mask=ok, other=float("inf")) * 1.4426950408889634
-    delta = gl.load(DELTA + head + q_pos, mask=ok, other=0.0)
-    return lse2, delta
-
-@gluon.jit
 def _dkdv_step_prefetch(u, it, first_i, n_i, start_n, k_pos, k_tile, v_tile, q_smem, do_smem, q_bar, do_bar, free_bar, dk, dv,
                         lse2, delta, zero_s, LSE, DELTA, b, kvh, H, T, GROUP, scale_log2, query_cols: gl.constexpr,
                         p_layout: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
@@ -464,31 +455,6 @@ def ws_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, stride_d
 # shared memory by TMA stores that overlap the next tile.
 
 @gluon.jit
-def _dkdvp_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, q_bar, do_bar, free_bar,
-                  KV, T, GROUP, BKV, n_pairs, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                  STAGES: gl.constexpr):
-    it = 0
-    tc = 0
-    for t in range(gl.program_id(0), n_pairs * BKV, gl.num_programs(0)):
-        start_n = (t // BKV) * 2 * BLOCK_N
-        b = (t % BKV) // KV
-        kvh = (t % BKV) % KV
-        row0 = b * T
-        for c in gl.static_range(2):
-            mbarrier.wait(kv_free.index(c), (tc & 1) ^ 1)
-        _load_kv_pair(k_desc, v_desc, k_smem, v_smem, kv_bar, row0 + start_n, kvh * HEAD_DIM, BLOCK_N)
-        first_i = start_n // BLOCK_M
-        n_i = gl.cdiv(T, BLOCK_M) - first_i
-        for u in range(GROUP * n_i):
-            slot = it % STAGES
-            mbarrier.wait(free_bar.index(slot), ((it // STAGES) & 1) ^ 1)
-            row, col = row0 + (first_i + u % n_i) * BLOCK_M, (kvh * GROUP + u // n_i) * HEAD_DIM
-            _load(q_desc, q_smem, q_bar, slot, row, col)
-            _load(do_desc, do_smem, do_bar, slot, row, col)
-            it += 1
-        tc += 1
-
-@gluon.jit
 def _dkdvp_consumer(k_smem, v_smem, q_smem, do_smem, out_smem, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar,
                     LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, n_pairs, scale_log2, sm_scale,
                     C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
@@ -571,7 +537,7 @@ def ws_dkdv_persistent_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
         (_dkdvp_consumer, (k_smem, v_smem, q_smem, do_smem, out1, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar,
                            LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, n_pairs, scale_log2, sm_scale,
                            1, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, PREFETCH, AHEAD, COMPACT)),
-        (_dkdvp_loader, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, q_bar, do_bar, free_bar,
+        (_dkdv_persistent_loader, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, q_bar, do_bar, free_bar,
                          KV, T, GROUP, BKV, n_pairs, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES)),
     ], [4, 1], [REGS, LOADER_REGS])
 

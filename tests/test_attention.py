@@ -123,7 +123,7 @@ def test_backward_writes_into_strided_views_and_checks_them():
 
 def test_fast_paths_get_the_checked_outputs_and_may_decline():
     "A registered fast path receives the validated output buffers; its result is returned, and None falls back to Triton."
-    from rtrainer.attention import FAST_PATHS, flash_attention_forward, flash_backward_dq, relative_error
+    from rtrainer.attention import FAST_PATHS, flash_attention_forward, flash_backward_dq, flash_backward_dkdv, relative_error
     saved = dict(FAST_PATHS)
     seen = {}
     try:
@@ -142,5 +142,16 @@ def test_fast_paths_get_the_checked_outputs_and_may_decline():
         FAST_PATHS["dq"] = lambda do, q_, k_, v_, o_, lse_, causal, dq, delta: seen.setdefault("dq", (tuple(dq.shape), tuple(delta.shape))) and None
         dq, delta = flash_backward_dq(torch.randn_like(o), q, k, v, o, lse, True)
         assert seen["dq"] == ((1, 19, 4, 64), (1, 4, 19)) and dq.isfinite().all() and delta.isfinite().all()
+        def dkdv(do, q_, k_, v_, lse_, delta_, causal, dk, dv):
+            seen["dkdv"] = (tuple(dk.shape), tuple(dv.shape), dk.dtype, causal)
+            dk.fill_(5.0); dv.fill_(6.0)
+            return dk, dv
+        FAST_PATHS["dkdv"] = dkdv
+        dk, dv = flash_backward_dkdv(torch.randn_like(o), q, k, v, lse, delta, True)
+        assert seen["dkdv"] == ((1, 19, 2, 64), (1, 19, 2, 64), torch.float32, True)
+        assert torch.all(dk == 5.0) and torch.all(dv == 6.0)
+        FAST_PATHS["dkdv"] = lambda *args: None
+        dk, dv = flash_backward_dkdv(torch.randn_like(o), q, k, v, lse, delta, True)
+        assert dk.isfinite().all() and dv.isfinite().all() and dk.abs().max() != 5.0
     finally:
         FAST_PATHS.clear(); FAST_PATHS.update(saved)
