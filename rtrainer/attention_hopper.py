@@ -29,7 +29,7 @@ CONSUMER_REGS = 240                # each consumer warpgroup's; 24 + 240 + 240 p
 FORWARD_TILES = {64: (64, 128, 3), 128: (64, 128, 2)}
 DQ_TILES = {128: (64, 64, 3)}      # at head dim 64 rtrainer's Triton dQ kernel is faster: it keeps that one
 # (keys per consumer, query rows per ring slot, ring slots)
-DKDV_TILES = {64: (64, 64, 2), 128: (64, 64, 2)}
+DKDV_TILES = {64: (64, 64, 2), 128: (64, 64, 3)}
 
 @gluon.jit
 def _barriers(n: gl.constexpr, count: gl.constexpr):
@@ -216,26 +216,28 @@ def hopper_forward_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, stride_ob, str
 
 # %% ../nbs/02a_attention_hopper.ipynb #c2bd57cc
 @gluon.jit
-def _query_pair(H, GROUP, BLOCK_M: gl.constexpr):
-    "(first row of this program's 2 x BLOCK_M query rows, batch, query head, KV head); grid (query pairs, B*H)."
-    bh = gl.program_id(1)
-    return gl.program_id(0) * 2 * BLOCK_M, bh // H, bh % H, (bh % H) // GROUP
-
-@gluon.jit
-def _dq_loader(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, H, T, GROUP,
-               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    "The loader warp of the dQ kernel: both consumers' Q and dO tiles, then the K and V blocks up to the pair's diagonal."
-    start_m, b, h, kvh = _query_pair(H, GROUP, BLOCK_M)
-    row0 = b * T
-    for c in gl.static_range(2):
-        mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [row0 + start_m + c * BLOCK_M, h * HEAD_DIM], q_bar.index(c), q_smem.index(c))
-        tma.async_copy_global_to_shared(do_desc, [row0 + start_m + c * BLOCK_M, h * HEAD_DIM], q_bar.index(c), do_smem.index(c))
-    for j in range(gl.cdiv(gl.minimum(start_m + 2 * BLOCK_M, T), BLOCK_N)):
-        slot = j % STAGES
-        mbarrier.wait(free_bar.index(slot), ((j // STAGES) & 1) ^ 1)
-        _load(k_desc, k_smem, k_bar, slot, row0 + j * BLOCK_N, kvh * HEAD_DIM)
-        _load(v_desc, v_smem, v_bar, slot, row0 + j * BLOCK_N, kvh * HEAD_DIM)
+def _dq_loader(q_desc, k_desc, v_desc, do_desc, o_desc, q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, q_free, k_bar, v_bar,
+               free_bar, H, T, GROUP, BH, n_pairs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr):
+    "The loader warp of the dQ kernel: each tile's Q, dO and O for both consumers, then K and V blocks up to its diagonal."
+    it = 0                                            # key blocks loaded so far: ring slot and phase
+    tc = 0                                            # tiles so far: the Q buffers' phase
+    for t in range(gl.program_id(0), n_pairs * BH, gl.num_programs(0)):
+        start_m, b, h, kvh = _tile(t, n_pairs, BH, H, GROUP, BLOCK_M)
+        row0 = b * T
+        for c in gl.static_range(2):
+            mbarrier.wait(q_free.index(c), (tc & 1) ^ 1)
+            mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes + do_desc.block_type.nbytes + o_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [row0 + start_m + c * BLOCK_M, h * HEAD_DIM], q_bar.index(c), q_smem.index(c))
+            tma.async_copy_global_to_shared(do_desc, [row0 + start_m + c * BLOCK_M, h * HEAD_DIM], q_bar.index(c), do_smem.index(c))
+            tma.async_copy_global_to_shared(o_desc, [row0 + start_m + c * BLOCK_M, h * HEAD_DIM], q_bar.index(c), o_smem.index(c))
+        for j in range(gl.cdiv(gl.minimum(start_m + 2 * BLOCK_M, T), BLOCK_N)):
+            slot = it % STAGES
+            mbarrier.wait(free_bar.index(slot), ((it // STAGES) & 1) ^ 1)
+            _load(k_desc, k_smem, k_bar, slot, row0 + j * BLOCK_N, kvh * HEAD_DIM)
+            _load(v_desc, v_smem, v_bar, slot, row0 + j * BLOCK_N, kvh * HEAD_DIM)
+            it += 1
+        tc += 1
 
 @gluon.jit
 def _dq_ds(s, dp, j, n_full, lse2, delta, q_pos, scale_log2, k_cols: gl.constexpr, ds_layout: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -247,103 +249,119 @@ def _dq_ds(s, dp, j, n_full, lse2, delta, q_pos, scale_log2, k_cols: gl.constexp
     return gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(gl.bfloat16), ds_layout)
 
 @gluon.jit
-def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, turn_bar, O, DO, LSE, DELTA, DQ,
-                 stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
-                 H, T, GROUP, scale_log2, sm_scale, C: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Consumer C of the dQ kernel: δ = rowsum(dO ∘ O) of its rows (stored for the dK/dV kernel), then per key block
-    a turn that issues S_j = Q K_jᵀ, dP_j = dO V_jᵀ and the previous block's dQ += dS K, and dS_j while the other
-    consumer's turn runs."""
+def _dq_consumer(q_smem, do_smem, o_smem, dq_smem, dq_desc, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar, turn_bar,
+                 LSE, DELTA, DQ, stride_dqb, stride_dqt, stride_dqh, H, T, GROUP, BH, n_pairs, scale_log2, sm_scale,
+                 C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Consumer C of the dQ kernel, per tile: δ = rowsum(dO ∘ O) of its rows from shared memory (stored for the dK/dV
+    kernel), then per key block a turn that issues S_j = Q K_jᵀ, dP_j = dO V_jᵀ and the previous block's dQ += dS K,
+    and dS_j while the other consumer's turn runs; dQ leaves by TMA store."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
     load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     q_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     k_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
-    pair_m, b, h, kvh = _query_pair(H, GROUP, BLOCK_M)
-    start = pair_m + C * BLOCK_M
-    rows = start + gl.arange(0, BLOCK_M, gl.SliceLayout(1, load_layout))
-    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, load_layout))
-    inside = gl.expand_dims(rows, 1) < T
-    o_tile = gl.load(O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh + gl.expand_dims(rows, 1) * stride_ot + gl.expand_dims(cols, 0),
-                     mask=inside, other=0.0)
-    do_regs = gl.load(DO + b.to(gl.int64) * stride_dob + h.to(gl.int64) * stride_doh + gl.expand_dims(rows, 1) * stride_dot + gl.expand_dims(cols, 0),
-                      mask=inside, other=0.0)
-    delta_rows = gl.sum(o_tile.to(gl.float32) * do_regs.to(gl.float32), axis=1)
-    gl.store(DELTA + (b * H + h).to(gl.int64) * T + rows, delta_rows, mask=rows < T)
-    delta = gl.convert_layout(delta_rows, q_rows)
-    q_pos = start + gl.arange(0, BLOCK_M, q_rows)
-    lse2 = gl.load(LSE + (b * H + h).to(gl.int64) * T + q_pos, mask=q_pos < T, other=float("inf")) * _LOG2E
-    n = gl.cdiv(gl.minimum(start + BLOCK_M, T), BLOCK_N)
-    n_max = gl.cdiv(gl.minimum(pair_m + 2 * BLOCK_M, T), BLOCK_N)
-    n_full = gl.minimum(start // BLOCK_N, n)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, a_layout)
     q_tile = q_smem.index(C)
     do_tile = do_smem.index(C)
     other = turn_bar.index(1 - C)
-    mbarrier.wait(q_bar.index(C), 0)
-    _take_turn(turn_bar, 0, C)                                      # key block 0: the two score products only
-    mbarrier.wait(k_bar.index(0), 0)
-    s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    mbarrier.wait(v_bar.index(0), 0)
-    dp = warpgroup_mma(do_tile, v_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    mbarrier.arrive(other, count=1)
-    s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
-    dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp])
-    ds = _dq_ds(s, dp, 0, n_full, lse2, delta, q_pos, scale_log2, k_cols, ds_layout, BLOCK_N)
-    for j in range(1, n):
-        slot = j % STAGES
-        phase = (j // STAGES) & 1
-        prev = (j - 1) % STAGES
-        _take_turn(turn_bar, j, C)
-        mbarrier.wait(k_bar.index(slot), phase)
-        s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        mbarrier.wait(v_bar.index(slot), phase)
-        dp = warpgroup_mma(do_tile, v_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        dq = warpgroup_mma(ds, k_smem.index(prev), dq, is_async=True)
+    it = 0
+    tc = 0
+    turn = 0
+    for t in range(gl.program_id(0), n_pairs * BH, gl.num_programs(0)):
+        pair_m, b, h, kvh = _tile(t, n_pairs, BH, H, GROUP, BLOCK_M)
+        start = pair_m + C * BLOCK_M
+        q_pos = start + gl.arange(0, BLOCK_M, q_rows)
+        head = (b * H + h).to(gl.int64) * T
+        lse2 = gl.load(LSE + head + q_pos, mask=q_pos < T, other=float("inf")) * _LOG2E
+        mbarrier.wait(q_bar.index(C), tc & 1)
+        rows = start + gl.arange(0, BLOCK_M, gl.SliceLayout(1, load_layout))
+        delta_rows = gl.sum(o_smem.index(C).load(load_layout).to(gl.float32) * do_tile.load(load_layout).to(gl.float32), axis=1)
+        gl.store(DELTA + head + rows, delta_rows, mask=rows < T)
+        delta = gl.convert_layout(delta_rows, q_rows)
+        n = gl.cdiv(gl.minimum(start + BLOCK_M, T), BLOCK_N)
+        n_max = gl.cdiv(gl.minimum(pair_m + 2 * BLOCK_M, T), BLOCK_N)
+        n_full = gl.minimum(start // BLOCK_N, n)
+        dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, a_layout)
+        _take_turn(turn_bar, turn, C)                               # key block 0: the two score products only
+        mbarrier.wait(k_bar.index(it % STAGES), (it // STAGES) & 1)
+        s = warpgroup_mma(q_tile, k_smem.index(it % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(v_bar.index(it % STAGES), (it // STAGES) & 1)
+        dp = warpgroup_mma(do_tile, v_smem.index(it % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         mbarrier.arrive(other, count=1)
-        s = warpgroup_mma_wait(num_outstanding=2, deps=[s])
-        dp = warpgroup_mma_wait(num_outstanding=1, deps=[dp])
-        ds = _dq_ds(s, dp, j, n_full, lse2, delta, q_pos, scale_log2, k_cols, ds_layout, BLOCK_N)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp])
+        ds = _dq_ds(s, dp, 0, n_full, lse2, delta, q_pos, scale_log2, k_cols, ds_layout, BLOCK_N)
+        for j in range(1, n):
+            slot = (it + j) % STAGES
+            phase = ((it + j) // STAGES) & 1
+            prev = (it + j - 1) % STAGES
+            _take_turn(turn_bar, turn + j, C)
+            mbarrier.wait(k_bar.index(slot), phase)
+            s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            mbarrier.wait(v_bar.index(slot), phase)
+            dp = warpgroup_mma(do_tile, v_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            dq = warpgroup_mma(ds, k_smem.index(prev), dq, is_async=True)
+            mbarrier.arrive(other, count=1)
+            s = warpgroup_mma_wait(num_outstanding=2, deps=[s])
+            dp = warpgroup_mma_wait(num_outstanding=1, deps=[dp])
+            ds = _dq_ds(s, dp, j, n_full, lse2, delta, q_pos, scale_log2, k_cols, ds_layout, BLOCK_N)
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
+            mbarrier.arrive(free_bar.index(prev), count=1)
+        for j in range(n, n_max):                                   # the pair's blocks past this consumer's diagonal
+            slot = (it + j) % STAGES
+            _take_turn(turn_bar, turn + j, C)
+            mbarrier.arrive(other, count=1)
+            mbarrier.wait(k_bar.index(slot), ((it + j) // STAGES) & 1)
+            mbarrier.wait(v_bar.index(slot), ((it + j) // STAGES) & 1)
+            mbarrier.arrive(free_bar.index(slot), count=1)
+        last = (it + n - 1) % STAGES
+        dq = warpgroup_mma(ds, k_smem.index(last), dq, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
-        mbarrier.arrive(free_bar.index(prev), count=1)
-    for j in range(n, n_max):                                       # turns this consumer has no block for
-        _take_turn(turn_bar, j, C)
-        mbarrier.arrive(other, count=1)
-    last = (n - 1) % STAGES
-    dq = warpgroup_mma(ds, k_smem.index(last), dq, is_async=True)
-    dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
-    mbarrier.arrive(free_bar.index(last), count=1)
-    out_rows = start + gl.arange(0, BLOCK_M, gl.SliceLayout(1, a_layout))
-    out_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, a_layout))
-    out = DQ + b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh + gl.expand_dims(out_rows, 1) * stride_dqt + gl.expand_dims(out_cols, 0)
-    gl.store(out, (dq * sm_scale).to(gl.bfloat16), mask=gl.expand_dims(out_rows, 1) < T)
+        mbarrier.arrive(free_bar.index(last), count=1)
+        mbarrier.arrive(q_free.index(C), count=1)                   # Q, dO and O of this tile are no longer read
+        if start + BLOCK_M <= T:
+            tma.store_wait(0)
+            dq_smem.store((dq * sm_scale).to(gl.bfloat16))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(dq_desc, [b * T + start, h * HEAD_DIM], dq_smem)
+        else:
+            out_rows = start + gl.arange(0, BLOCK_M, gl.SliceLayout(1, a_layout))
+            out_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, a_layout))
+            out = DQ + b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh + gl.expand_dims(out_rows, 1) * stride_dqt + gl.expand_dims(out_cols, 0)
+            gl.store(out, (dq * sm_scale).to(gl.bfloat16), mask=gl.expand_dims(out_rows, 1) < T)
+        it += n_max
+        turn += n_max
+        tc += 1
+    tma.store_wait(0)
 
 @gluon.jit
-def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, O, DO, LSE, DELTA, DQ,
-                     stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
-                     H, T, GROUP, scale_log2, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     STAGES: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
-    "dQ (and δ) of causal attention, bf16: per program 2 x BLOCK_M query rows, a loader warp and two ping-pong consumers."
+def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, LSE, DELTA, DQ, stride_dqb, stride_dqt, stride_dqh,
+                     H, T, GROUP, BH, n_pairs, scale_log2, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
+    "dQ (and δ) of causal attention, bf16: one program per SM over (query pair, batch x head) tiles, longest first."
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
+    o_smem = gl.allocate_shared_memory(o_desc.dtype, [2, BLOCK_M, HEAD_DIM], o_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    dq0 = gl.allocate_shared_memory(dq_desc.dtype, [BLOCK_M, HEAD_DIM], dq_desc.layout)
+    dq1 = gl.allocate_shared_memory(dq_desc.dtype, [BLOCK_M, HEAD_DIM], dq_desc.layout)
     q_bar = _barriers(2, 1)
+    q_free = _barriers(2, 1)
     k_bar = _barriers(STAGES, 1)
     v_bar = _barriers(STAGES, 1)
     free_bar = _barriers(STAGES, 2)
     turn_bar = _barriers(2, 1)
     gl.warp_specialize([
-        (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, turn_bar, O, DO, LSE, DELTA, DQ,
-                        stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
-                        H, T, GROUP, scale_log2, sm_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-        (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, turn_bar, O, DO, LSE, DELTA, DQ,
-                        stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
-                        H, T, GROUP, scale_log2, sm_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-        (_dq_loader, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, H, T, GROUP,
-                      HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+        (_dq_consumer, (q_smem, do_smem, o_smem, dq0, dq_desc, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar, turn_bar,
+                        LSE, DELTA, DQ, stride_dqb, stride_dqt, stride_dqh, H, T, GROUP, BH, n_pairs, scale_log2, sm_scale,
+                        0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+        (_dq_consumer, (q_smem, do_smem, o_smem, dq1, dq_desc, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar, turn_bar,
+                        LSE, DELTA, DQ, stride_dqb, stride_dqt, stride_dqh, H, T, GROUP, BH, n_pairs, scale_log2, sm_scale,
+                        1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+        (_dq_loader, (q_desc, k_desc, v_desc, do_desc, o_desc, q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, q_free, k_bar, v_bar,
+                      free_bar, H, T, GROUP, BH, n_pairs, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [REGS, LOADER_REGS])
 
 # %% ../nbs/02a_attention_hopper.ipynb #88195bba
@@ -553,15 +571,18 @@ def hopper_forward(q, k, v, o=None, lse=None):
     return o, lse
 
 def hopper_dq(do, q, k, v, o, lse, dq=None, delta=None):
-    "(dq, δ = rowsum(dO ∘ O) (B,H,T) fp32) by the Hopper dQ kernel; `dq` may be a strided view (unit last stride)."
+    "(dq, δ = rowsum(dO ∘ O) (B,H,T) fp32) by the persistent Hopper dQ kernel; `dq` may be a view TMA can write."
     B, T, H, hd = q.shape
     block_m, block_n, stages = DQ_TILES[hd]
     dq = torch.empty(B, T, H, hd, dtype=q.dtype, device=q.device) if dq is None else dq
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device) if delta is None else delta
-    hopper_dq_kernel[(triton.cdiv(T, 2 * block_m), B * H)](
-        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m), o, do, lse, delta, dq,
-        *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3], H, T, H // k.shape[2], LOG2E / hd ** 0.5, 1.0 / hd ** 0.5,
-        HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, REGS=CONSUMER_REGS, num_warps=4)
+    n_pairs = triton.cdiv(T, 2 * block_m)
+    programs = min(n_pairs * B * H, _sm_count(q.device.index))
+    hopper_dq_kernel[(programs,)](
+        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
+        _descriptor(o, block_m), _descriptor(dq, block_m), lse, delta, dq, *dq.stride()[:3], H, T, H // k.shape[2], B * H,
+        n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
+        REGS=CONSUMER_REGS, num_warps=4)
     CALLS["dq"] += 1
     return dq, delta
 
@@ -584,14 +605,15 @@ def hopper_dkdv(do, q, k, v, lse, delta, dk=None, dv=None):
 
 # %% ../nbs/02a_attention_hopper.ipynb #c4858959
 # attention.py's launchers have checked the outputs' shapes, dtypes and unit last strides; what is left is what the
-# kernels need beyond that: O, dK and dV written through TMA descriptors, dO read through one, lse and δ contiguous.
+# kernels need beyond that: O, dQ, dK and dV written through TMA descriptors, dO and O read through them, lse and δ
+# contiguous.
 def _fast_forward(q, k, v, causal, o, lse):
     if hopper_refusal(q, k, v, causal) or tma_refusal(o) or not lse.is_contiguous(): return None
     return hopper_forward(q, k, v, o, lse)
 
 def _fast_dq(do, q, k, v, o, lse, causal, dq, delta):
-    if (q.shape[-1] not in DQ_TILES or hopper_refusal(q, k, v, causal) or tma_refusal(do) or not lse.is_contiguous()
-            or not delta.is_contiguous()): return None
+    if (q.shape[-1] not in DQ_TILES or hopper_refusal(q, k, v, causal) or tma_refusal(do) or tma_refusal(o) or tma_refusal(dq)
+            or not lse.is_contiguous() or not delta.is_contiguous()): return None
     return hopper_dq(do, q, k, v, o, lse, dq, delta)
 
 def _fast_dkdv(do, q, k, v, lse, delta, causal, dk, dv):

@@ -32,11 +32,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 from attention_gluon import _compile_sm90, _alternate, _ratios, reference
 # what went into the package (rtrainer.attention_hopper) is taken from there: the persistent forward ("persistent-kt"),
-# the ping-pong dQ kernel ("pp") and the pieces they share; the plain "persistent" forward measured in rounds 3 to 6
-# is at commit c6ef687
-from rtrainer.attention_hopper import (_barriers as _ring_barriers, _query_pair, _take_turn, _online_softmax, _load, _descriptor,
-                                       _dq_loader, hopper_forward_kernel, hopper_dq_kernel as ws_dq_pp_kernel,
-                                       _dkdv_loader as _dkdv_persistent_loader, _dkdv_rows, _tile, _dq_ds)
+# the persistent dQ kernel ("persistent-t"), the dK/dV loader and the pieces they share; the plain "persistent" forward
+# measured in rounds 3 to 6 is at commit c6ef687, the ping-pong dQ per query pair ("pp") at commit c8c90ab
+from rtrainer.attention_hopper import (_barriers as _ring_barriers, _take_turn, _online_softmax, _load, _descriptor,
+                                       hopper_forward_kernel, hopper_dq_kernel, _dkdv_loader as _dkdv_persistent_loader, _dkdv_rows)
 import rtrainer.attention_hopper
 rtrainer.attention_hopper.ENABLED = False     # the "rtrainer" arms below are the Triton kernels of rtrainer.attention
 
@@ -56,12 +55,17 @@ FORWARD_CONFIGS = {64: [(64, 128, 3, 240, "persistent-kt")],
 DKDV_CONFIGS = {64: [(64, 64, 2, 240, "persistent-tc")],
                 128: [(64, 64, 2, 240, "persistent-tc"), (64, 64, 3, 240, "persistent-tc")]}
 # (BLOCK_M rows per consumer, BLOCK_N keys per slot, STAGES, registers, schedule)
-DQ_CONFIGS = {64: [(64, 64, 3, 240, "pp"), (64, 64, 3, 240, "persistent-t")], 128: [(64, 64, 3, 240, "pp"), (64, 64, 3, 240, "persistent-t"),
-                                                                               (64, 64, 2, 240, "persistent-t")]}     # the package's kernel; the plain WS one: commit c6ef687
+DQ_CONFIGS = {64: [(64, 64, 3, 240, "persistent-t")], 128: [(64, 64, 3, 240, "persistent-t")]}     # the package's kernel
 LOG2E = 1.4426950408889634
 
 
 # ---- forward ---------------------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _query_pair(H, GROUP, BLOCK_M: gl.constexpr):
+    "(first row of this program's 2 x BLOCK_M query rows, batch, query head, KV head); grid (query pairs, B*H)."
+    bh = gl.program_id(1)
+    return gl.program_id(0) * 2 * BLOCK_M, bh // H, bh % H, (bh % H) // GROUP
 
 @gluon.jit
 def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, free_bar, H, T, GROUP,
@@ -567,144 +571,8 @@ def ws_dkdv(do, q, k, v, lse, delta, variant=0):
 
 # ---- dQ --------------------------------------------------------------------------------------------------------------
 
-# Persistent dQ ("persistent-t"): one program per SM over the (query pair, batch x head) tiles, longest first, as the
-# package's forward; the loader also brings O by TMA, so δ = rowsum(dO ∘ O) is formed from shared memory; dQ leaves by
-# a TMA store that overlaps the next tile.
-
-@gluon.jit
-def _dqp_loader(q_desc, k_desc, v_desc, do_desc, o_desc, q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, q_free, k_bar, v_bar,
-                free_bar, H, T, GROUP, BH, n_pairs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                STAGES: gl.constexpr):
-    it = 0
-    tc = 0
-    for t in range(gl.program_id(0), n_pairs * BH, gl.num_programs(0)):
-        start_m, b, h, kvh = _tile(t, n_pairs, BH, H, GROUP, BLOCK_M)
-        row0 = b * T
-        for c in gl.static_range(2):
-            mbarrier.wait(q_free.index(c), (tc & 1) ^ 1)
-            mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes + do_desc.block_type.nbytes + o_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [row0 + start_m + c * BLOCK_M, h * HEAD_DIM], q_bar.index(c), q_smem.index(c))
-            tma.async_copy_global_to_shared(do_desc, [row0 + start_m + c * BLOCK_M, h * HEAD_DIM], q_bar.index(c), do_smem.index(c))
-            tma.async_copy_global_to_shared(o_desc, [row0 + start_m + c * BLOCK_M, h * HEAD_DIM], q_bar.index(c), o_smem.index(c))
-        for j in range(gl.cdiv(gl.minimum(start_m + 2 * BLOCK_M, T), BLOCK_N)):
-            slot = it % STAGES
-            mbarrier.wait(free_bar.index(slot), ((it // STAGES) & 1) ^ 1)
-            _load(k_desc, k_smem, k_bar, slot, row0 + j * BLOCK_N, kvh * HEAD_DIM)
-            _load(v_desc, v_smem, v_bar, slot, row0 + j * BLOCK_N, kvh * HEAD_DIM)
-            it += 1
-        tc += 1
-
-@gluon.jit
-def _dqp_consumer(q_smem, do_smem, o_smem, dq_smem, dq_desc, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar, turn_bar,
-                  LSE, DELTA, DQ, stride_dqb, stride_dqt, stride_dqh, H, T, GROUP, BH, n_pairs, scale_log2, sm_scale,
-                  C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-    a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
-    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
-    load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    q_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-    k_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
-    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    q_tile = q_smem.index(C)
-    do_tile = do_smem.index(C)
-    other = turn_bar.index(1 - C)
-    it = 0
-    tc = 0
-    turn = 0
-    for t in range(gl.program_id(0), n_pairs * BH, gl.num_programs(0)):
-        pair_m, b, h, kvh = _tile(t, n_pairs, BH, H, GROUP, BLOCK_M)
-        start = pair_m + C * BLOCK_M
-        q_pos = start + gl.arange(0, BLOCK_M, q_rows)
-        head = (b * H + h).to(gl.int64) * T
-        lse2 = gl.load(LSE + head + q_pos, mask=q_pos < T, other=float("inf")) * 1.4426950408889634
-        mbarrier.wait(q_bar.index(C), tc & 1)
-        rows = start + gl.arange(0, BLOCK_M, gl.SliceLayout(1, load_layout))
-        delta_rows = gl.sum(o_smem.index(C).load(load_layout).to(gl.float32) * do_tile.load(load_layout).to(gl.float32), axis=1)
-        gl.store(DELTA + head + rows, delta_rows, mask=rows < T)
-        delta = gl.convert_layout(delta_rows, q_rows)
-        n = gl.cdiv(gl.minimum(start + BLOCK_M, T), BLOCK_N)
-        n_max = gl.cdiv(gl.minimum(pair_m + 2 * BLOCK_M, T), BLOCK_N)
-        n_full = gl.minimum(start // BLOCK_N, n)
-        dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, a_layout)
-        _take_turn(turn_bar, turn, C)                               # key block 0: the two score products only
-        mbarrier.wait(k_bar.index(it % STAGES), (it // STAGES) & 1)
-        s = warpgroup_mma(q_tile, k_smem.index(it % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        mbarrier.wait(v_bar.index(it % STAGES), (it // STAGES) & 1)
-        dp = warpgroup_mma(do_tile, v_smem.index(it % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        mbarrier.arrive(other, count=1)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
-        dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp])
-        ds = _dq_ds(s, dp, 0, n_full, lse2, delta, q_pos, scale_log2, k_cols, ds_layout, BLOCK_N)
-        for j in range(1, n):
-            slot = (it + j) % STAGES
-            phase = ((it + j) // STAGES) & 1
-            prev = (it + j - 1) % STAGES
-            _take_turn(turn_bar, turn + j, C)
-            mbarrier.wait(k_bar.index(slot), phase)
-            s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            mbarrier.wait(v_bar.index(slot), phase)
-            dp = warpgroup_mma(do_tile, v_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            dq = warpgroup_mma(ds, k_smem.index(prev), dq, is_async=True)
-            mbarrier.arrive(other, count=1)
-            s = warpgroup_mma_wait(num_outstanding=2, deps=[s])
-            dp = warpgroup_mma_wait(num_outstanding=1, deps=[dp])
-            ds = _dq_ds(s, dp, j, n_full, lse2, delta, q_pos, scale_log2, k_cols, ds_layout, BLOCK_N)
-            dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
-            mbarrier.arrive(free_bar.index(prev), count=1)
-        for j in range(n, n_max):                                   # the pair's blocks past this consumer's diagonal
-            slot = (it + j) % STAGES
-            _take_turn(turn_bar, turn + j, C)
-            mbarrier.arrive(other, count=1)
-            mbarrier.wait(k_bar.index(slot), ((it + j) // STAGES) & 1)
-            mbarrier.wait(v_bar.index(slot), ((it + j) // STAGES) & 1)
-            mbarrier.arrive(free_bar.index(slot), count=1)
-        last = (it + n - 1) % STAGES
-        dq = warpgroup_mma(ds, k_smem.index(last), dq, is_async=True)
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
-        mbarrier.arrive(free_bar.index(last), count=1)
-        mbarrier.arrive(q_free.index(C), count=1)                   # Q, dO and O of this tile are no longer read
-        if start + BLOCK_M <= T:
-            tma.store_wait(0)
-            dq_smem.store((dq * sm_scale).to(gl.bfloat16))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(dq_desc, [b * T + start, h * HEAD_DIM], dq_smem)
-        else:
-            out_rows = start + gl.arange(0, BLOCK_M, gl.SliceLayout(1, a_layout))
-            out_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, a_layout))
-            out = DQ + b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh + gl.expand_dims(out_rows, 1) * stride_dqt + gl.expand_dims(out_cols, 0)
-            gl.store(out, (dq * sm_scale).to(gl.bfloat16), mask=gl.expand_dims(out_rows, 1) < T)
-        it += n_max
-        turn += n_max
-        tc += 1
-    tma.store_wait(0)
-
-@gluon.jit
-def ws_dq_persistent_kernel(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, LSE, DELTA, DQ, stride_dqb, stride_dqt, stride_dqh,
-                            H, T, GROUP, BH, n_pairs, scale_log2, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
-    o_smem = gl.allocate_shared_memory(o_desc.dtype, [2, BLOCK_M, HEAD_DIM], o_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    dq0 = gl.allocate_shared_memory(dq_desc.dtype, [BLOCK_M, HEAD_DIM], dq_desc.layout)
-    dq1 = gl.allocate_shared_memory(dq_desc.dtype, [BLOCK_M, HEAD_DIM], dq_desc.layout)
-    q_bar = _ring_barriers(2, 1)
-    q_free = _ring_barriers(2, 1)
-    k_bar = _ring_barriers(STAGES, 1)
-    v_bar = _ring_barriers(STAGES, 1)
-    free_bar = _ring_barriers(STAGES, 2)
-    turn_bar = _ring_barriers(2, 1)
-    gl.warp_specialize([
-        (_dqp_consumer, (q_smem, do_smem, o_smem, dq0, dq_desc, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar, turn_bar,
-                         LSE, DELTA, DQ, stride_dqb, stride_dqt, stride_dqh, H, T, GROUP, BH, n_pairs, scale_log2, sm_scale,
-                         0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-        (_dqp_consumer, (q_smem, do_smem, o_smem, dq1, dq_desc, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar, turn_bar,
-                         LSE, DELTA, DQ, stride_dqb, stride_dqt, stride_dqh, H, T, GROUP, BH, n_pairs, scale_log2, sm_scale,
-                         1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-        (_dqp_loader, (q_desc, k_desc, v_desc, do_desc, o_desc, q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, q_free, k_bar, v_bar,
-                       free_bar, H, T, GROUP, BH, n_pairs, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-    ], [4, 1], [REGS, LOADER_REGS])
+# dQ: the package's persistent kernel (hopper_dq_kernel); the ping-pong one per query pair ("pp", measured in rounds 1
+# to 7) is at commit c8c90ab
 
 def ws_dq(do, q, k, v, o, lse, variant=0):
     "(dq (B,T,H,hd), delta (B,H,T) fp32) of the causal attention, like rtrainer's flash_backward_dq."
@@ -713,18 +581,12 @@ def ws_dq(do, q, k, v, o, lse, variant=0):
     dq = torch.empty(B, T, H, hd, dtype=q.dtype, device=q.device)
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     do = do.contiguous()
-    if schedule == "persistent-t":
-        n_pairs = triton.cdiv(T, 2 * block_m)
-        ws_dq_persistent_kernel[(min(n_pairs * B * H, torch.cuda.get_device_properties(q.device).multi_processor_count),)](
-            _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
-            _descriptor(o, block_m), _descriptor(dq, block_m), lse, delta, dq, *dq.stride()[:3], H, T, H // k.shape[2], B * H,
-            n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
-            REGS=regs, num_warps=CONSUMER_WARPS)
-        return dq, delta
-    ws_dq_pp_kernel[(triton.cdiv(T, 2 * block_m), B * H)](
-        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m), o, do, lse, delta, dq,
-        *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3], H, T, H // k.shape[2], LOG2E / hd ** 0.5, 1.0 / hd ** 0.5,
-        HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, REGS=regs, num_warps=CONSUMER_WARPS)
+    n_pairs = triton.cdiv(T, 2 * block_m)
+    hopper_dq_kernel[(min(n_pairs * B * H, torch.cuda.get_device_properties(q.device).multi_processor_count),)](
+        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
+        _descriptor(o, block_m), _descriptor(dq, block_m), lse, delta, dq, *dq.stride()[:3], H, T, H // k.shape[2], B * H,
+        n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
+        REGS=regs, num_warps=CONSUMER_WARPS)
     return dq, delta
 
 
@@ -737,7 +599,7 @@ KERNELS = dict(  # kind: (configs, kernel of a schedule, constexpr names of a co
     dkdv=(DKDV_CONFIGS, dict(ws=ws_dkdv_kernel, pp=ws_dkdv_kernel, **{s: ws_dkdv_persistent_kernel for s in ("persistent-t", "persistent-tp", "persistent-te", "persistent-tc")}),
           ("BLOCK_N", "BLOCK_M", "STAGES", "REGS"),
           lambda hd, bn, bm: dict(q_desc=(bm, hd), do_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd), dk_desc=(bn, hd), dv_desc=(bn, hd))),
-    dq=(DQ_CONFIGS, dict(pp=ws_dq_pp_kernel, **{"persistent-t": ws_dq_persistent_kernel}), ("BLOCK_M", "BLOCK_N", "STAGES", "REGS"),
+    dq=(DQ_CONFIGS, {"persistent-t": hopper_dq_kernel}, ("BLOCK_M", "BLOCK_N", "STAGES", "REGS"),
         lambda hd, bm, bn: dict(q_desc=(bm, hd), do_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd), o_desc=(bm, hd), dq_desc=(bm, hd))))
 
 def compile_check():
