@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Warp-stall breakdown and tensor-pipe activity of the kernels tests/attention_ws_profile.py launches once each
-# (the Triton, the Hopper (rtrainer.attention_hopper) and cuDNN's dense1b forward, the Triton and the Hopper dQ), under Nsight Compute.
+# (the Triton, the Hopper (rtrainer.attention_hopper) and cuDNN's dense1b forward, the Triton and the Hopper dQ and dK/dV), under Nsight Compute.
 # Asks ncu which metrics this GPU has, keeps the wanted ones it lists, writes $OUT/ncu_stalls.csv.
 set -u
 OUT=${OUT:-/tmp}; PY=${PY:-python3}
