@@ -315,6 +315,11 @@ def _precision(dtype): return "ieee" if dtype == torch.float32 else "tf32"
 # not take the inputs (then the Triton kernel runs).
 FAST_PATHS = {}
 
+def _fast_path(kind, config, *args):
+    "What the registered fast path of `kind` returns for these arguments; None without one, or with an explicit config."
+    fn = FAST_PATHS.get(kind) if config is None else None
+    return fn(*args) if fn else None
+
 def flash_attention_forward(q, k, v, causal=True, o=None, lse=None, config=None):
     "Forward kernel: returns (o (B,T,H,hd) in q's dtype, lse (B,H,T) fp32, natural log); `o`/`lse`/`config` may be given."
     _check_inputs(q, k, v)
@@ -323,8 +328,7 @@ def flash_attention_forward(q, k, v, causal=True, o=None, lse=None, config=None)
     KV = k.shape[2]
     o = _output(o, (B, T, H, hd), q, "o")
     lse = _output(lse, (B, H, T), q, "lse", torch.float32)
-    if config is None and "forward" in FAST_PATHS:
-        if (out := FAST_PATHS["forward"](q, k, v, causal, o, lse)) is not None: return out
+    if (out := _fast_path("forward", config, q, k, v, causal, o, lse)) is not None: return out
     sm_scale = 1.0 / math.sqrt(hd)
     grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)
     launch, config = _launcher("forward", q.dtype, hd, T, config)
@@ -339,8 +343,7 @@ def flash_backward_dq(do, q, k, v, o, lse, causal=True, dq=None, delta=None, con
     KV, sm_scale = k.shape[2], 1.0 / math.sqrt(hd)
     dq = _output(dq, (B, T, H, hd), q, "dq")
     delta = _output(delta, (B, H, T), q, "delta", torch.float32)
-    if config is None and "dq" in FAST_PATHS:
-        if (out := FAST_PATHS["dq"](do, q, k, v, o, lse, causal, dq, delta)) is not None: return out
+    if (out := _fast_path("dq", config, do, q, k, v, o, lse, causal, dq, delta)) is not None: return out
     launch, config = _launcher("dq", q.dtype, hd, T, config)
     launch[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)](
         q, k, v, o, do, lse, delta, dq, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
@@ -357,8 +360,7 @@ def flash_backward_dkdv(do, q, k, v, lse, delta, causal=True, dk=None, dv=None, 
     dv = _output(dv, (B, T, KV, hd), v, "dv")
     if dk.stride() != dv.stride():     # the kernel writes both with dk's strides
         raise ValueError(f"flash_attention: dk and dv must share their strides, got {dk.stride()} and {dv.stride()}")
-    if config is None and "dkdv" in FAST_PATHS:
-        if (out := FAST_PATHS["dkdv"](do, q, k, v, lse, delta, causal, dk, dv)) is not None: return out
+    if (out := _fast_path("dkdv", config, do, q, k, v, lse, delta, causal, dk, dv)) is not None: return out
     launch, config = _launcher("dkdv", q.dtype, hd, T, config)
     launch[lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * KV)](
         q, k, v, do, lse, delta, dk, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],

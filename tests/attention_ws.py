@@ -18,88 +18,53 @@ import torch
 import triton
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention_gluon import _compile_sm90, _alternate, _ratios, reference
-from rtrainer.attention_hopper import _descriptor, hopper_forward_kernel, hopper_dq_kernel, hopper_dkdv_kernel
-import rtrainer.attention_hopper
-rtrainer.attention_hopper.ENABLED = False     # the "rtrainer" arms below are the Triton kernels of rtrainer.attention
+from rtrainer.attention_hopper import hopper_forward_kernel, hopper_dq_kernel, hopper_dkdv_kernel, CONSUMER_REGS
+import rtrainer.attention_hopper as hopper
+hopper.ENABLED = False     # the "rtrainer" arms below are the Triton kernels of rtrainer.attention
 
 ROUNDS = 5
 CONSUMER_WARPS = 4
-# Variants: tiles of the package's kernels. Forward (BLOCK_M rows per consumer, BLOCK_N keys per slot, STAGES, registers
-# per consumer thread, schedule): "persistent-kt", ping-pong in one program per SM over all tiles, K freed early, the
+# Variants: tiles of the package's kernels (consumers at CONSUMER_REGS registers). Forward (BLOCK_M rows per consumer,
+# BLOCK_N keys per slot, STAGES, schedule): "persistent-kt", ping-pong in one program per SM over all tiles, K freed early, the
 # output stored by TMA from shared memory while the next tile starts.
-FORWARD_CONFIGS = {64: [(64, 128, 3, 240, "persistent-kt")],
-                   128: [(64, 128, 2, 240, "persistent-kt")]}
-# dK/dV (BLOCK_N keys per consumer, BLOCK_M queries per slot, STAGES, registers, schedule): "persistent-tc", each step's
+FORWARD_CONFIGS = {64: [(64, 128, 3, "persistent-kt")],
+                   128: [(64, 128, 2, "persistent-kt")]}
+# dK/dV (BLOCK_N keys per consumer, BLOCK_M queries per slot, STAGES, schedule): "persistent-tc", each step's
 # lse and δ loaded a step ahead and held one value per thread until used.
-DKDV_CONFIGS = {64: [(64, 64, 2, 240, "persistent-tc")],
-                128: [(64, 64, 2, 240, "persistent-tc"), (64, 64, 3, 240, "persistent-tc")]}
-# dQ (BLOCK_M rows per consumer, BLOCK_N keys per slot, STAGES, registers, schedule): "persistent-t", ping-pong over all
+DKDV_CONFIGS = {64: [(64, 64, 2, "persistent-tc")],
+                128: [(64, 64, 2, "persistent-tc"), (64, 64, 3, "persistent-tc")]}
+# dQ (BLOCK_M rows per consumer, BLOCK_N keys per slot, STAGES, schedule): "persistent-t", ping-pong over all
 # tiles, O by TMA so that δ is formed from shared memory, dQ stored by TMA.
-DQ_CONFIGS = {64: [(64, 64, 3, 240, "persistent-t")], 128: [(64, 64, 3, 240, "persistent-t")]}
-LOG2E = 1.4426950408889634
+DQ_CONFIGS = {64: [(64, 64, 3, "persistent-t")], 128: [(64, 64, 3, "persistent-t")]}
 
 
-# ---- the package's kernels, launched with a variant's tiles -----------------------------------------------------------
+# ---- the package's kernels at a variant's tiles ----------------------------------------------------------------------
 # The variants measured in rounds 1 to 8 and no longer here (warp-specialized per query pair "ws", ping-pong "pp" and
 # "ppk", the plain persistent forward, dK/dV per key pair and the persistent dK/dV's "persistent-t", "-tp" and "-te",
 # dQ per query pair) are at commit 1919f01; the kernels that won are rtrainer.attention_hopper's.
 
-def _programs(tiles, t):
-    return min(tiles, torch.cuda.get_device_properties(t.device).multi_processor_count)
-
 def ws_forward(q, k, v, variant=0):
     "Causal forward, bf16: (o, lse) like rtrainer's flash_attention_forward; `variant` indexes FORWARD_CONFIGS[head dim]."
-    B, T, H, hd = q.shape
-    block_m, block_n, stages, regs, _ = FORWARD_CONFIGS[hd][variant]
-    o = torch.empty(B, T, H, hd, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
-    n_pairs = triton.cdiv(T, 2 * block_m)
-    hopper_forward_kernel[(_programs(n_pairs * B * H, q),)](
-        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(o, block_m), o, lse, *o.stride()[:3],
-        H, T, H // k.shape[2], B * H, n_pairs, LOG2E / hd ** 0.5, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
-        REGS=regs, num_warps=CONSUMER_WARPS)
-    return o, lse
+    return hopper.hopper_forward(q, k, v, tiles=FORWARD_CONFIGS[q.shape[-1]][variant][:3])
 
 def ws_dkdv(do, q, k, v, lse, delta, variant=0):
     "dK, dV (B,T,KV,hd) of the causal attention, from the forward's lse and delta = rowsum(dO * O) (fp32, (B,H,T))."
-    B, T, H, hd = q.shape
-    KV = k.shape[2]
-    block_n, block_m, stages, regs, _ = DKDV_CONFIGS[hd][variant]
-    dk = torch.empty(B, T, KV, hd, dtype=q.dtype, device=q.device)
-    dv = torch.empty_like(dk)
-    do = do.contiguous()
-    n_pairs = triton.cdiv(T, 2 * block_n)
-    hopper_dkdv_kernel[(_programs(n_pairs * B * KV, q),)](
-        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
-        _descriptor(dk, block_n), _descriptor(dv, block_n), lse, delta, dk, dv, *dk.stride()[:3], H, KV, T, H // KV, B * KV, n_pairs,
-        LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, REGS=regs,
-        num_warps=CONSUMER_WARPS)
-    return dk, dv
+    return hopper.hopper_dkdv(do.contiguous(), q, k, v, lse, delta, tiles=DKDV_CONFIGS[q.shape[-1]][variant][:3])
 
 def ws_dq(do, q, k, v, o, lse, variant=0):
     "(dq (B,T,H,hd), delta (B,H,T) fp32) of the causal attention, like rtrainer's flash_backward_dq."
-    B, T, H, hd = q.shape
-    block_m, block_n, stages, regs, _ = DQ_CONFIGS[hd][variant]
-    dq = torch.empty(B, T, H, hd, dtype=q.dtype, device=q.device)
-    delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
-    do = do.contiguous()
-    n_pairs = triton.cdiv(T, 2 * block_m)
-    hopper_dq_kernel[(_programs(n_pairs * B * H, q),)](
-        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
-        _descriptor(o, block_m), _descriptor(dq, block_m), lse, delta, dq, *dq.stride()[:3], H, T, H // k.shape[2], B * H,
-        n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
-        REGS=regs, num_warps=CONSUMER_WARPS)
-    return dq, delta
+    return hopper.hopper_dq(do.contiguous(), q, k, v, o, lse, tiles=DQ_CONFIGS[q.shape[-1]][variant][:3])
+
 
 def _maxnreg(ptx):
     return re.findall(r"setmaxnreg[.a-z0-9]*\s+(\d+)", ptx)
 
 KERNELS = dict(  # kind: (configs, kernel of a schedule, constexpr names of a config, descriptor blocks of a config)
-    forward=(FORWARD_CONFIGS, {"persistent-kt": hopper_forward_kernel}, ("BLOCK_M", "BLOCK_N", "STAGES", "REGS"),
+    forward=(FORWARD_CONFIGS, {"persistent-kt": hopper_forward_kernel}, ("BLOCK_M", "BLOCK_N", "STAGES"),
              lambda hd, bm, bn: dict(q_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd), o_desc=(bm, hd))),
-    dkdv=(DKDV_CONFIGS, {"persistent-tc": hopper_dkdv_kernel}, ("BLOCK_N", "BLOCK_M", "STAGES", "REGS"),
+    dkdv=(DKDV_CONFIGS, {"persistent-tc": hopper_dkdv_kernel}, ("BLOCK_N", "BLOCK_M", "STAGES"),
           lambda hd, bn, bm: dict(q_desc=(bm, hd), do_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd), dk_desc=(bn, hd), dv_desc=(bn, hd))),
-    dq=(DQ_CONFIGS, {"persistent-t": hopper_dq_kernel}, ("BLOCK_M", "BLOCK_N", "STAGES", "REGS"),
+    dq=(DQ_CONFIGS, {"persistent-t": hopper_dq_kernel}, ("BLOCK_M", "BLOCK_N", "STAGES"),
         lambda hd, bm, bn: dict(q_desc=(bm, hd), do_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd), o_desc=(bm, hd), dq_desc=(bm, hd))))
 
 def compile_check():
@@ -107,7 +72,7 @@ def compile_check():
     for kind, (configs, kernels, names, descs) in KERNELS.items():
         for hd, config in ((hd, c) for hd, cs in configs.items() for c in cs):
             try:
-                usage, smem, ptx = _compile_sm90(kernels[config[-1]], dict(HEAD_DIM=hd, num_warps=CONSUMER_WARPS, **dict(zip(names, config[:-1]))),
+                usage, smem, ptx = _compile_sm90(kernels[config[-1]], dict(HEAD_DIM=hd, REGS=CONSUMER_REGS, num_warps=CONSUMER_WARPS, **dict(zip(names, config[:-1]))),
                                                  descs(hd, config[0], config[1]), CONSUMER_WARPS)
                 print(f"{kind} hd {hd} {config}: {usage}, shared {smem} B, setmaxnreg {_maxnreg(ptx)}, wgmma {ptx.count('wgmma.mma_async')}")
             except Exception as e:
