@@ -46,23 +46,6 @@ def _load(desc, smem, bar, slot, row, col):
     tma.async_copy_global_to_shared(desc, [row, col], bar.index(slot), smem.index(slot))
 
 @gluon.jit
-def _store_tile(x, smem, desc, ptr, b, head, start, T, stride_b, stride_t, stride_h, ROWS: gl.constexpr,
-                HEAD_DIM: gl.constexpr):
-    """Rows start .. start + ROWS of batch b, head `head` of a (B, T, heads, hd) output, from the bf16 tile x: by a TMA
-    store through `smem` when all of them are inside T (the caller has waited for the last store out of `smem`), else
-    by masked stores through `ptr` and the strides."""
-    if start + ROWS <= T:
-        smem.store(x)
-        fence_async_shared()
-        tma.async_copy_shared_to_global(desc, [b * T + start, head * HEAD_DIM], smem)
-    else:
-        rows = start + gl.arange(0, ROWS, gl.SliceLayout(1, x.type.layout))
-        cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, x.type.layout))
-        offs = (b.to(gl.int64) * stride_b + head.to(gl.int64) * stride_h + gl.expand_dims(rows, 1) * stride_t
-                + gl.expand_dims(cols, 0))
-        gl.store(ptr + offs, x, mask=gl.expand_dims(rows, 1) < T)
-
-@gluon.jit
 def _take_turn(turn_bar, k, C: gl.constexpr):
     "Wait until consumer C may issue its k-th round of matmuls (consumer 0 goes first; the two alternate)."
     mbarrier.wait(turn_bar.index(C), (k & 1) ^ (1 - C))
@@ -125,6 +108,7 @@ def _forward_consumer(q_smem, k_smem, v_smem, o_smem, o_desc, q_bar, q_free, k_b
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     q_tile = q_smem.index(C)
     other = turn_bar.index(1 - C)
@@ -187,8 +171,16 @@ def _forward_consumer(q_smem, k_smem, v_smem, o_smem, o_desc, q_bar, q_free, k_b
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         mbarrier.arrive(v_free.index(last), count=1)
         acc = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
-        tma.store_wait(0)                                   # the previous tile's output has left o_smem
-        _store_tile(acc.to(gl.bfloat16), o_smem, o_desc, O, b, h, start, T, stride_ob, stride_ot, stride_oh, BLOCK_M, HEAD_DIM)
+        if start + BLOCK_M <= T:
+            tma.store_wait(0)                               # the previous tile's output has left o_smem
+            o_smem.store(acc.to(gl.bfloat16))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [b * T + start, h * HEAD_DIM], o_smem)
+        else:
+            rows = start + gl.arange(0, BLOCK_M, o_rows)
+            cols = gl.arange(0, HEAD_DIM, o_cols)
+            o_ptrs = O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh + gl.expand_dims(rows, 1) * stride_ot + gl.expand_dims(cols, 0)
+            gl.store(o_ptrs, acc.to(gl.bfloat16), mask=gl.expand_dims(rows, 1) < T)
         gl.store(LSE + (b * H + h).to(gl.int64) * T + q_pos, (m_i + gl.log2(l_i)) / _LOG2E, mask=q_pos < T)
         it += n_max
         turn += n_max
@@ -328,9 +320,16 @@ def _dq_consumer(q_smem, do_smem, o_smem, dq_smem, dq_desc, k_smem, v_smem, q_ba
         dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
         mbarrier.arrive(free_bar.index(last), count=1)
         mbarrier.arrive(q_free.index(C), count=1)                   # Q, dO and O of this tile are no longer read
-        tma.store_wait(0)                                           # the previous tile's dQ has left dq_smem
-        _store_tile((dq * sm_scale).to(gl.bfloat16), dq_smem, dq_desc, DQ, b, h, start, T, stride_dqb, stride_dqt, stride_dqh,
-                    BLOCK_M, HEAD_DIM)
+        if start + BLOCK_M <= T:
+            tma.store_wait(0)
+            dq_smem.store((dq * sm_scale).to(gl.bfloat16))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(dq_desc, [b * T + start, h * HEAD_DIM], dq_smem)
+        else:
+            out_rows = start + gl.arange(0, BLOCK_M, gl.SliceLayout(1, a_layout))
+            out_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, a_layout))
+            out = DQ + b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh + gl.expand_dims(out_rows, 1) * stride_dqt + gl.expand_dims(out_cols, 0)
+            gl.store(out, (dq * sm_scale).to(gl.bfloat16), mask=gl.expand_dims(out_rows, 1) < T)
         it += n_max
         turn += n_max
         tc += 1
@@ -471,11 +470,20 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, out_smem, dk_desc, dv_desc, 
                                              do_bar, free_bar, dk, dv, lse2, delta, zero_s, LSE, DELTA, b, kvh, H, T, GROUP,
                                              scale_log2, row_layout, p_layout, BLOCK_N, BLOCK_M, STAGES)
         mbarrier.arrive(kv_free.index(C), count=1)    # this tile's K and V are no longer read
-        tma.store_wait(0)                             # the last tile's stores have left out_smem
-        _store_tile((dk * sm_scale).to(gl.bfloat16), out_smem.index(0), dk_desc, DK, b, kvh, start_n, T,
-                    stride_dkb, stride_dkt, stride_dkh, BLOCK_N, HEAD_DIM)
-        _store_tile(dv.to(gl.bfloat16), out_smem.index(1), dv_desc, DV, b, kvh, start_n, T,
-                    stride_dkb, stride_dkt, stride_dkh, BLOCK_N, HEAD_DIM)
+        if start_n + BLOCK_N <= T:
+            tma.store_wait(0)                         # the last tile's stores have left out_smem
+            out_smem.index(0).store((dk * sm_scale).to(gl.bfloat16))
+            out_smem.index(1).store(dv.to(gl.bfloat16))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(dk_desc, [b * T + start_n, kvh * HEAD_DIM], out_smem.index(0))
+            tma.async_copy_shared_to_global(dv_desc, [b * T + start_n, kvh * HEAD_DIM], out_smem.index(1))
+        else:
+            rows = start_n + gl.arange(0, BLOCK_N, gl.SliceLayout(1, a_layout))
+            cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, a_layout))
+            out = (b.to(gl.int64) * stride_dkb + kvh.to(gl.int64) * stride_dkh + gl.expand_dims(rows, 1) * stride_dkt
+                   + gl.expand_dims(cols, 0))
+            gl.store(DK + out, (dk * sm_scale).to(gl.bfloat16), mask=gl.expand_dims(rows, 1) < T)
+            gl.store(DV + out, dv.to(gl.bfloat16), mask=gl.expand_dims(rows, 1) < T)
         it += steps
         tc += 1
     tma.store_wait(0)
