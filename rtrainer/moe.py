@@ -6,21 +6,21 @@ Docs: https://example.invalid/rtrainer/rtrainer/moe.html.md"""
 
 # %% auto #0
 __all__ = ['GROUPED_GEMM_BLOCK_M', 'ROW_BLOCK', 'TMA_WGRAD_CONFIG', 'INTERPRET_TMA_WGRAD_CONFIG', 'TMA_ALIGNMENT',
-           'TMA_WGRAD_LAUNCH', 'ROUTER_BLOCK_ROWS', 'ROUTER_BLOCK_COLS', 'ROUTER_CHUNK_ROWS', 'EXPERT_GEMM',
-           'EXPERT_WEIGHT_GRAD', 'EXPERT_BACKENDS', 'MOE_KNOBS', 'RECOMPUTE_IN_BACKWARD', 'BENCHMARK_ARMS',
+           'TMA_WGRAD_LAUNCH', 'COMBINE_ROUTER_TILE', 'ROUTER_BLOCK_ROWS', 'ROUTER_BLOCK_COLS', 'ROUTER_CHUNK_ROWS',
+           'ROUTER_SPLIT', 'EXPERT_GEMM', 'EXPERT_WEIGHT_GRAD', 'EXPERT_BACKENDS', 'MOE_KNOBS', 'BENCHMARK_ARMS',
            'COMPILE_MODES', 'RouterLogits', 'route_tokens', 'load_balance_loss', 'load_balance_weight',
            'expert_capacity', 'capacity_slots', 'expert_swiglu_reference', 'capacity_moe_reference',
            'dropless_moe_reference', 'grouped_gemm_kernel', 'grouped_gemm_weight_grad_kernel', 'grouped_gemm_triton',
            'pointer_weight_grad_triton', 'grouped_gemm_reference', 'tma_weight_grad_kernel', 'tma_weight_grad_applies',
            'tma_weight_grad_triton', 'grouped_gemm_weight_grad_triton', 'gather_rows_kernel', 'combine_rows_kernel',
-           'gather_rows_triton', 'combine_rows_triton', 'router_logits_kernel', 'router_grad_x_kernel',
-           'router_grad_w_kernel', 'RouterLogitsTriton', 'router_logits_triton', 'router_parity_errors',
-           'library_support', 'ExpertBackends', 'expert_backends', 'grouped_gemm_library',
-           'grouped_gemm_weight_grad_library', 'grouped_gemm_per_expert', 'grouped_gemm_weight_grad_per_expert',
-           'RoutingPlan', 'capacity_plan', 'dropless_plan', 'host_group_bounds', 'MoeExperts', 'moe_experts_triton',
-           'MoeFeedForward', 'moe_parameter_count', 'naive_moe_loop', 'check_moe_against_loop',
-           'compare_triton_to_torch', 'check_empty_expert', 'saved_tensor_bytes', 'expert_saved_bytes',
-           'accumulation_gradients', 'benchmark_arms', 'benchmark_suite']
+           'gather_rows_triton', 'combine_rows_triton', 'router_logits_kernel', 'router_grad_w_kernel',
+           'router_logits_triton', 'router_weight_grad_triton', 'router_parity_errors', 'library_support',
+           'ExpertBackends', 'expert_backends', 'grouped_gemm_library', 'grouped_gemm_weight_grad_library',
+           'grouped_gemm_per_expert', 'grouped_gemm_weight_grad_per_expert', 'RoutingPlan', 'capacity_plan',
+           'dropless_plan', 'host_group_bounds', 'routed_swiglu_backward_kernel', 'routed_swiglu_backward',
+           'MoeExperts', 'moe_experts_triton', 'MoeRouted', 'MoeFeedForward', 'moe_parameter_count', 'naive_moe_loop',
+           'check_moe_against_loop', 'compare_triton_to_torch', 'check_empty_expert', 'saved_tensor_bytes',
+           'expert_saved_bytes', 'accumulation_gradients', 'benchmark_arms', 'benchmark_suite']
 
 # %% ../nbs/03_moe.ipynb #d120d79d
 import functools, math, os, sys, time
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from .kernels import (INTERPRETING, KERNELS_CAN_RUN, register_op, get_op, resolve_impl, at_least_fp32, swiglu_reference,
-                              swiglu_forward, swiglu_backward, weight_grad_buffer, finish_weight_grad, start_gradient_step,
+                              swiglu_forward, SWIGLU_BLOCK, SWIGLU_NUM_WARPS, weight_grad_buffer, finish_weight_grad, start_gradient_step,
                               gradient_fp32, median_ms, peak_bytes, alternation, ratio_interval, save_results, show_results, knob_values,
                               _program_count)
 from .matmul import linear_reference    # also registers the "linear" op used by the shared expert
@@ -358,176 +358,194 @@ def grouped_gemm_weight_grad_triton(rows, grad_out, group_starts, group_ends, ou
 def gather_rows_kernel(
     src_ptr,        # (S, D) source rows
     index_ptr,      # (R,) int source row of each output row, -1 -> zero row
-    scale_ptr,      # (R,) fp32 scale of each output row (if HAS_SCALE)
     out_ptr,        # (R, D) output
-    other_ptr,      # (R, D) rows to dot with the gathered source rows (if COMPUTE_DOT)
-    dot_ptr,        # (R,) fp32 <src[index[r]], other[r]> (if COMPUTE_DOT)
-    D,
-    HAS_SCALE: tl.constexpr, COMPUTE_DOT: tl.constexpr, BLOCK_D: tl.constexpr,
+    D, BLOCK_D: tl.constexpr,
 ):
-    # read D (+ D with COMPUTE_DOT), write D per program
+    # read D, write D per program
     r = tl.program_id(0).to(tl.int64)
     index = tl.load(index_ptr + r).to(tl.int64)
     valid = index >= 0
     src_row = src_ptr + tl.where(valid, index, 0) * D
     src_limit = tl.where(valid, D, 0)              # an invalid index reads nothing (a zero row)
-    scale = tl.load(scale_ptr + r).to(tl.float32) if HAS_SCALE else 1.0
-    dot = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
-        mask = cols < D
-        v = tl.load(src_row + cols, mask=cols < src_limit, other=0.0).to(tl.float32)
-        tl.store(out_ptr + r * D + cols, (v * scale).to(out_ptr.dtype.element_ty), mask=mask)
-        if COMPUTE_DOT:
-            dot += v * tl.load(other_ptr + r * D + cols, mask=cols < src_limit, other=0.0).to(tl.float32)
-    if COMPUTE_DOT: tl.store(dot_ptr + r, tl.sum(dot, 0))
+        v = tl.load(src_row + cols, mask=cols < src_limit, other=0.0)
+        tl.store(out_ptr + r * D + cols, v, mask=cols < D)
 
 @triton.jit
 def combine_rows_kernel(
     src_ptr,        # (R, D) expert rows
     rows_ptr,       # (N, TOP_K) int row of each assignment, -1 -> dropped
     weights_ptr,    # (N, TOP_K) fp32 routing weights (if HAS_WEIGHTS)
+    g_ptr,          # (N, E) fp32 gradient of the router's logits (if E > 0)
+    router_ptr,     # (D, E) fp32 router (if E > 0)
     out_ptr,        # (N, D) output
-    D,
-    TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_D: tl.constexpr,
+    N, D,
+    TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # read TOP_K*BLOCK_D, write BLOCK_D per program
-    t = tl.program_id(0).to(tl.int64)
+    # read TOP_K*BLOCK_T*BLOCK_D (+ E*(BLOCK_T + BLOCK_D)), write BLOCK_T*BLOCK_D per program
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask = cols < D
-    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        row = tl.load(rows_ptr + t * TOP_K + j).to(tl.int64)
-        valid = row >= 0
-        w = tl.load(weights_ptr + t * TOP_K + j).to(tl.float32) if HAS_WEIGHTS else 1.0
-        limit = tl.where(valid, D, 0)              # a dropped assignment reads nothing
-        acc += w * tl.load(src_ptr + tl.where(valid, row, 0) * D + cols, mask=cols < limit, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * D + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        row = tl.load(rows_ptr + t * TOP_K + j, mask=t < N, other=-1).to(tl.int64)
+        valid = row >= 0                            # a dropped assignment reads nothing
+        w = tl.load(weights_ptr + t * TOP_K + j, mask=t < N, other=0.0).to(tl.float32) if HAS_WEIGHTS else 1.0
+        v = tl.load(src_ptr + tl.where(valid, row, 0)[:, None] * D + cols[None, :],
+                    mask=valid[:, None] & (cols[None, :] < D), other=0.0).to(tl.float32)
+        acc += (w[:, None] * v) if HAS_WEIGHTS else v
+    for e in tl.static_range(E):                   # the router's share of dx: E outer products, fp32
+        g = tl.load(g_ptr + t * E + e, mask=t < N, other=0.0)
+        r = tl.load(router_ptr + cols * E + e, mask=cols < D, other=0.0)
+        acc += g[:, None] * r[None, :]
+    tl.store(out_ptr + t[:, None].to(tl.int64) * D + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(t[:, None] < N) & (cols[None, :] < D))
 
-def gather_rows_triton(src, index, scale=None, other=None):
-    "(out (R, D), dot (R,) or None): out[r] = scale[r] * src[index[r]] (zero where index < 0); dot[r] = <src[index[r]], other[r]>."
+def gather_rows_triton(src, index):
+    "out (R, D): out[r] = src[index[r]], a zero row where index[r] < 0."
     R, D = index.shape[0], src.shape[1]
     out = torch.empty(R, D, dtype=src.dtype, device=src.device)
-    dot = torch.empty(R, dtype=torch.float32, device=src.device) if other is not None else None
-    gather_rows_kernel[(R,)](src, index, scale if scale is not None else out, out,
-                             other if other is not None else out, dot if dot is not None else out, D,
-                             HAS_SCALE=scale is not None, COMPUTE_DOT=other is not None,
-                             BLOCK_D=min(ROW_BLOCK, triton.next_power_of_2(D)))
-    return out, dot
+    gather_rows_kernel[(R,)](src, index, out, D, BLOCK_D=min(ROW_BLOCK, triton.next_power_of_2(D)))
+    return out
 
-def combine_rows_triton(src, assignment_rows, weights=None, out_dtype=None):
-    "y[t] = sum_j weights[t, j] * src[assignment_rows[t, j]] (fp32 accumulation; dropped rows skipped)."
+COMBINE_ROUTER_TILE = (16, 256)   # (tokens, columns) per program when the router's dx is added: the router tile is read once per 16 tokens
+
+def combine_rows_triton(src, assignment_rows, weights=None, out_dtype=None, router_grad=None):
+    """y[t] = sum_j weights[t, j] * src[assignment_rows[t, j]] (fp32 accumulation; dropped rows skipped), plus
+    dlogits[t] @ router^T with router_grad = (dlogits (N, E) fp32, router (D, E) fp32): the router's share of dx."""
     N, top_k = assignment_rows.shape
     D = src.shape[1]
     out = torch.empty(N, D, dtype=out_dtype or src.dtype, device=src.device)
-    block_d = min(ROW_BLOCK, triton.next_power_of_2(D))
-    combine_rows_kernel[(N, triton.cdiv(D, block_d))](src, assignment_rows, weights if weights is not None else src, out, D,
-                                                      TOP_K=top_k, HAS_WEIGHTS=weights is not None, BLOCK_D=block_d)
+    dlogits, router = router_grad if router_grad is not None else (src, src)
+    E = router.shape[1] if router_grad is not None else 0
+    block_t, block_d = COMBINE_ROUTER_TILE if E else (1, min(ROW_BLOCK, triton.next_power_of_2(D)))
+    combine_rows_kernel[(triton.cdiv(N, block_t), triton.cdiv(D, block_d))](
+        src, assignment_rows, weights if weights is not None else src, dlogits, router, out, N, D,
+        TOP_K=top_k, HAS_WEIGHTS=weights is not None, E=E, BLOCK_T=block_t, BLOCK_D=block_d)
     return out
 
 # %% ../nbs/03_moe.ipynb #e699eeb1
 ROUTER_BLOCK_ROWS = 32      # rows of x per program (logits, dx)
 ROUTER_BLOCK_COLS = 128     # columns of x per step (logits) or per program (dx, drouter)
 ROUTER_CHUNK_ROWS = 512     # rows summed by one drouter program before it writes its partial (a multiple of ROUTER_BLOCK_ROWS)
+ROUTER_SPLIT = True         # bf16 x on a GPU: the fp32 operand as three bf16 parts on tensor cores; False: fp32 FMAs
 
 @triton.jit
-def router_logits_kernel(x_ptr, w_ptr, out_ptr, N, D, E, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, E_PAD: tl.constexpr):
+def _bf16_part(v, part):
+    "The part-th (0, 1, 2) of three bf16 numbers whose sum is the fp32 v to about 2^-24 of it; 0 where part is 3."
+    hi = v.to(tl.bfloat16)
+    rest = v - hi.to(tl.float32)                    # exact: v and hi agree in their leading bits
+    mid = rest.to(tl.bfloat16)
+    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+    return tl.where(part == 0, hi, tl.where(part == 1, mid, tl.where(part == 2, lo, 0.0))).to(tl.bfloat16)
+
+@triton.jit
+def _router_dot(a, b, acc, SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+    "acc + a @ b: bf16 tensor cores with SPLIT (in fp32 under the interpreter, UPCAST, whose bf16 dot is wrong), else fp32 FMAs."
+    if SPLIT and not UPCAST:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+
+@triton.jit
+def _sum_parts(acc, ROWS: tl.constexpr, E_P: tl.constexpr, SPLIT: tl.constexpr):
+    "(ROWS, E_P): with SPLIT the four E_P-wide column groups of acc (hi, mid, lo, zero) added up, else acc."
+    if SPLIT:
+        out = tl.sum(tl.reshape(acc, [ROWS, 4, E_P]), axis=1)
+    else:
+        out = acc
+    return out
+
+@triton.jit
+def router_logits_kernel(x_ptr, w_ptr, out_ptr, N, D, E, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+                         E_P: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr):
     # read BLOCK_ROWS*D of x (+ D*E of the router, from cache), write BLOCK_ROWS*E per program
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    experts = tl.arange(0, E_PAD)
-    acc = tl.zeros([BLOCK_ROWS, E_PAD], tl.float32)
+    NCOL: tl.constexpr = 4 * E_P if SPLIT else E_P
+    c = tl.arange(0, NCOL)
+    part, e = c // E_P, c % E_P                      # without SPLIT part is 0: the router as it is
+    acc = tl.zeros([BLOCK_ROWS, NCOL], tl.float32)
     for d0 in range(0, D, BLOCK_COLS):
         cols = d0 + tl.arange(0, BLOCK_COLS)
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + cols[None, :],
-                    mask=(rows[:, None] < N) & (cols[None, :] < D), other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + cols[:, None] * E + experts[None, :], mask=(cols[:, None] < D) & (experts[None, :] < E), other=0.0)
-        acc += tl.dot(x, w, input_precision="ieee")     # the chunk's fp32 sum (the form timed; no closer to float64 than one chain)
-    tl.store(out_ptr + rows[:, None] * E + experts[None, :], acc, mask=(rows[:, None] < N) & (experts[None, :] < E))
-
-@triton.jit
-def router_grad_x_kernel(g_ptr, w_ptr, out_ptr, N, D, E: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
-    # read BLOCK_ROWS*E of dlogits and BLOCK_COLS*E of the router, write BLOCK_ROWS*BLOCK_COLS of dx per program
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    dx = tl.zeros([BLOCK_ROWS, BLOCK_COLS], tl.float32)
-    for e in tl.static_range(E):                        # E outer products: E fused multiply-adds per output, no padding
-        g = tl.load(g_ptr + rows * E + e, mask=rows < N, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + cols * E + e, mask=cols < D, other=0.0)
-        dx += g[:, None] * w[None, :]
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], dx.to(out_ptr.dtype.element_ty),
-             mask=(rows[:, None] < N) & (cols[None, :] < D))
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], mask=(rows[:, None] < N) & (cols[None, :] < D), other=0.0)
+        w = tl.load(w_ptr + cols[:, None] * E + e[None, :], mask=(cols[:, None] < D) & (e[None, :] < E) & (part[None, :] < 3), other=0.0)
+        acc = _router_dot(x, _bf16_part(w, part[None, :]) if SPLIT else w, acc, SPLIT, UPCAST)
+    experts = tl.arange(0, E_P)
+    tl.store(out_ptr + rows[:, None] * E + experts[None, :], _sum_parts(acc, BLOCK_ROWS, E_P, SPLIT),
+             mask=(rows[:, None] < N) & (experts[None, :] < E))
 
 @triton.jit
 def router_grad_w_kernel(x_ptr, g_ptr, part_ptr, N, D, E, CHUNK_ROWS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                         BLOCK_COLS: tl.constexpr, E_PAD: tl.constexpr):
-    # read CHUNK_ROWS*BLOCK_COLS of x and CHUNK_ROWS*E of dlogits, write BLOCK_COLS*E_PAD partial sums per program
+                         BLOCK_COLS: tl.constexpr, E_P: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+    # read CHUNK_ROWS*BLOCK_COLS of x and CHUNK_ROWS*E of dlogits, write BLOCK_COLS*E_P partial sums per program
     cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     chunk = tl.program_id(1)
-    experts = tl.arange(0, E_PAD)
-    acc = tl.zeros([BLOCK_COLS, E_PAD], tl.float32)
+    NCOL: tl.constexpr = 4 * E_P if SPLIT else E_P
+    c = tl.arange(0, NCOL)
+    part, e = c // E_P, c % E_P
+    acc = tl.zeros([BLOCK_COLS, NCOL], tl.float32)
     for r0 in range(0, CHUNK_ROWS, BLOCK_ROWS):
         rows = chunk * CHUNK_ROWS + r0 + tl.arange(0, BLOCK_ROWS)
         xT = tl.load(x_ptr + rows[None, :].to(tl.int64) * D + cols[:, None],
-                     mask=(rows[None, :] < N) & (cols[:, None] < D), other=0.0).to(tl.float32)   # (BLOCK_COLS, BLOCK_ROWS)
-        g = tl.load(g_ptr + rows[:, None] * E + experts[None, :], mask=(rows[:, None] < N) & (experts[None, :] < E), other=0.0)
-        acc = tl.dot(xT, g.to(tl.float32), acc, input_precision="ieee")
-    tl.store(part_ptr + (chunk * D + cols[:, None]).to(tl.int64) * E_PAD + experts[None, :], acc, mask=cols[:, None] < D)
+                     mask=(rows[None, :] < N) & (cols[:, None] < D), other=0.0)                     # (BLOCK_COLS, BLOCK_ROWS)
+        g = tl.load(g_ptr + rows[:, None] * E + e[None, :], mask=(rows[:, None] < N) & (e[None, :] < E) & (part[None, :] < 3), other=0.0)
+        acc = _router_dot(xT, _bf16_part(g, part[None, :]) if SPLIT else g, acc, SPLIT, UPCAST)
+    experts = tl.arange(0, E_P)
+    tl.store(part_ptr + (chunk * D + cols[:, None]).to(tl.int64) * E_P + experts[None, :],
+             _sum_parts(acc, BLOCK_COLS, E_P, SPLIT), mask=cols[:, None] < D)
 
-def _router_e_pad(E): return max(16, triton.next_power_of_2(E))
+def _router_layout(x, E):
+    "(E_P, SPLIT): the padded expert count of the router kernels, and whether they split the fp32 operand into bf16 parts."
+    split = ROUTER_SPLIT and x.dtype == torch.bfloat16
+    return (max(4, triton.next_power_of_2(E)) if split else max(16, triton.next_power_of_2(E))), split   # tl.dot: >= 16 columns
 
-class RouterLogitsTriton(torch.autograd.Function):
-    "x @ router in fp32 arithmetic on the Triton kernels above; keeps x in its own dtype for backward."
-    @staticmethod
-    def forward(ctx, x, router):
-        N, D = x.shape
-        E = router.shape[1]
-        logits = torch.empty(N, E, dtype=torch.float32, device=x.device)
-        router_logits_kernel[(triton.cdiv(N, ROUTER_BLOCK_ROWS),)](x, router, logits, N, D, E, BLOCK_ROWS=ROUTER_BLOCK_ROWS,
-                                                                    BLOCK_COLS=ROUTER_BLOCK_COLS, E_PAD=_router_e_pad(E))
-        ctx.save_for_backward(x, router)
-        return logits
+def _router_kernels_apply(x, router):
+    return router.dtype == torch.float32 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
-    @staticmethod
-    def backward(ctx, grad_logits):
-        x, router = ctx.saved_tensors
-        N, D = x.shape
-        E = router.shape[1]
-        g = grad_logits.contiguous()
-        grad_x = grad_router = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.empty_like(x)
-            router_grad_x_kernel[(triton.cdiv(N, ROUTER_BLOCK_ROWS), triton.cdiv(D, ROUTER_BLOCK_COLS))](
-                g, router, grad_x, N, D, E, BLOCK_ROWS=ROUTER_BLOCK_ROWS, BLOCK_COLS=ROUTER_BLOCK_COLS)
-        if ctx.needs_input_grad[1]:
-            chunks = triton.cdiv(N, ROUTER_CHUNK_ROWS)
-            partial = torch.empty(chunks, D, _router_e_pad(E), dtype=torch.float32, device=x.device)
-            router_grad_w_kernel[(triton.cdiv(D, ROUTER_BLOCK_COLS), chunks)](
-                x, g, partial, N, D, E, CHUNK_ROWS=ROUTER_CHUNK_ROWS, BLOCK_ROWS=ROUTER_BLOCK_ROWS,
-                BLOCK_COLS=ROUTER_BLOCK_COLS, E_PAD=_router_e_pad(E))
-            grad_router = partial.sum(0)[:, :E]
-        return grad_x, grad_router
+def _check_router_shapes(x, router, name):
+    if x.dim() != 2 or router.dim() != 2 or x.shape[1] != router.shape[0]:
+        raise ValueError(f"{name}: x {tuple(x.shape)} and router {tuple(router.shape)} do not make an (N, D) @ (D, E) product")
 
 def router_logits_triton(x, router):
-    "The router's fp32 logits (N, E) on the Triton kernels: x (N, D) fp32/bf16/fp16, router (D, E) fp32; else RouterLogits."
-    if router.dtype != torch.float32 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.dim() != 2:
-        return RouterLogits.apply(x, router)
-    if x.shape[1] != router.shape[0]: raise ValueError(f"router_logits_triton: x has {x.shape[1]} features, router {tuple(router.shape)}")
-    return RouterLogitsTriton.apply(x.contiguous(), router.contiguous())
+    """The router's fp32 logits (N, E), no autograd: x (N, D) fp32/bf16/fp16 and an fp32 router (D, E) on the kernel
+    above, anything else as `x.to(router.dtype) @ router`."""
+    _check_router_shapes(x, router, "router_logits_triton")
+    if not _router_kernels_apply(x, router): return x.to(router.dtype) @ router
+    x, router = x.contiguous(), router.contiguous()
+    (N, D), E = x.shape, router.shape[1]
+    e_p, split = _router_layout(x, E)
+    logits = torch.empty(N, E, dtype=torch.float32, device=x.device)
+    router_logits_kernel[(triton.cdiv(N, ROUTER_BLOCK_ROWS),)](x, router, logits, N, D, E, BLOCK_ROWS=ROUTER_BLOCK_ROWS,
+                                                                BLOCK_COLS=ROUTER_BLOCK_COLS, E_P=e_p, SPLIT=split, UPCAST=INTERPRETING)
+    return logits
+
+def router_weight_grad_triton(x, grad_logits, router):
+    "The router's gradient x^T @ grad_logits (D, E) in the router's dtype: the kernel above where it applies, else a matmul."
+    _check_router_shapes(x, router, "router_weight_grad_triton")
+    if not _router_kernels_apply(x, router): return x.to(router.dtype).T @ grad_logits.to(router.dtype)
+    x, g = x.contiguous(), grad_logits.float().contiguous()
+    (N, D), E = x.shape, router.shape[1]
+    e_p, split = _router_layout(x, E)
+    chunks = triton.cdiv(N, ROUTER_CHUNK_ROWS)
+    partial = torch.empty(chunks, D, e_p, dtype=torch.float32, device=x.device)
+    router_grad_w_kernel[(triton.cdiv(D, ROUTER_BLOCK_COLS), chunks)](
+        x, g, partial, N, D, E, CHUNK_ROWS=ROUTER_CHUNK_ROWS, BLOCK_ROWS=ROUTER_BLOCK_ROWS, BLOCK_COLS=ROUTER_BLOCK_COLS,
+        E_P=e_p, SPLIT=split, UPCAST=INTERPRETING)
+    return partial.sum(0)[:, :E]                       # the chunks' partials in a fixed order: deterministic
 
 # %% ../nbs/03_moe.ipynb #07221cd2
 def router_parity_errors(N, D, E, dtype=torch.float32, device="cpu", seed=0):
-    "Relative errors of router_logits_triton's logits, dx and drouter against float64 (same bf16/fp32-exact inputs)."
+    "Relative errors of the router kernels' logits, drouter and dx (the combine kernel's router term) against float64."
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(N, D, generator=g).to(dtype).to(device).requires_grad_()
-    router = torch.randn(D, E, generator=g).mul(0.05).to(device).requires_grad_()
-    probe = torch.randn(N, E, generator=g, dtype=torch.float64).to(device)
-    logits = router_logits_triton(x, router)
-    (logits.double() * probe).sum().backward()
-    x64, r64 = x.detach().double().requires_grad_(), router.detach().double().requires_grad_()
-    ref = x64 @ r64
-    (ref * probe).sum().backward()
+    x = torch.randn(N, D, generator=g).to(dtype).to(device)
+    router = torch.randn(D, E, generator=g).mul(0.05).to(device)
+    grad_logits = torch.randn(N, E, generator=g).to(device)
+    no_rows = torch.full((N, 1), -1, dtype=torch.int32, device=device)        # dx from the router alone
+    dx = combine_rows_triton(torch.zeros(1, D, dtype=dtype, device=device), no_rows, out_dtype=dtype,
+                             router_grad=(grad_logits, router))
+    x64, r64, g64 = x.double(), router.double(), grad_logits.double()
     rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()
-    return dict(logits=rel(logits, ref), x=rel(x.grad, x64.grad), router=rel(router.grad, r64.grad))
+    return dict(logits=rel(router_logits_triton(x, router), x64 @ r64), x=rel(dx, g64 @ r64.T),
+                router=rel(router_weight_grad_triton(x, grad_logits, router), x64.T @ g64))
 
 # %% ../nbs/03_moe.ipynb #28bffd48
 EXPERT_GEMM = "auto"          # expert forward and input-gradient GEMMs: "triton" | "library" | "per_expert" | "auto"
@@ -679,7 +697,43 @@ def host_group_bounds(plan):
     if plan.capacity: return [e * plan.capacity for e in range(plan.group_starts.shape[0] + 1)]
     return torch.cat([plan.group_starts[:1], plan.group_ends]).tolist()   # groups are contiguous: start[e+1] == end[e]
 
-RECOMPUTE_IN_BACKWARD = True   # keep x and hidden; rebuild the permuted rows and the SwiGLU output in backward
+@triton.jit
+def routed_swiglu_backward_kernel(
+    dact_ptr,       # (R, FF) d act of the unweighted dy rows; w * act is written over it
+    hidden_ptr,     # (R, 2FF) gate | up of the forward; d hidden is written over it
+    weight_ptr,     # (R,) fp32 routing weight of each row (0 for an unused capacity slot)
+    dot_ptr,        # (R,) fp32 out: <d act, act>, the routing weight's gradient
+    FF, BLOCK: tl.constexpr,
+):
+    # read 3 FF, write 3 FF per row; one program per row, so the row's dot is summed in one place (no atomics)
+    r = tl.program_id(0).to(tl.int64)
+    w = tl.load(weight_ptr + r)
+    dot = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c0 in range(0, FF, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        mask = cols < FF
+        d = tl.load(dact_ptr + r * FF + cols, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(hidden_ptr + r * 2 * FF + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(hidden_ptr + r * 2 * FF + FF + cols, mask=mask, other=0.0).to(tl.float32)
+        s = tl.sigmoid(gate)
+        act = (gate * s * up).to(dact_ptr.dtype.element_ty)           # the bits the forward's down GEMM read
+        dot += d * act.to(tl.float32)
+        dy = d * w
+        tl.store(hidden_ptr + r * 2 * FF + cols, (dy * up * s * (1.0 + gate * (1.0 - s))).to(hidden_ptr.dtype.element_ty), mask=mask)
+        tl.store(hidden_ptr + r * 2 * FF + FF + cols, (dy * gate * s).to(hidden_ptr.dtype.element_ty), mask=mask)
+        tl.store(dact_ptr + r * FF + cols, (act.to(tl.float32) * w).to(dact_ptr.dtype.element_ty), mask=mask)
+    tl.store(dot_ptr + r, tl.sum(dot, 0))
+
+def routed_swiglu_backward(dact, hidden, row_weight):
+    """SwiGLU backward of rows whose output the combine weighted by `row_weight`, in place: d hidden over `hidden`,
+    w * act over `dact`; returns <dact[r], act[r]> (R,) fp32, the gradient of each row's routing weight."""
+    R, FF = dact.shape
+    if hidden.shape != (R, 2 * FF) or not (dact.is_contiguous() and hidden.is_contiguous()):
+        raise ValueError(f"routed_swiglu_backward: need contiguous dact (R, FF) and hidden (R, 2FF), got {tuple(dact.shape)} and {tuple(hidden.shape)}")
+    dot = torch.empty(R, dtype=torch.float32, device=dact.device)
+    if R: routed_swiglu_backward_kernel[(R,)](dact, hidden, row_weight, dot, FF, BLOCK=min(SWIGLU_BLOCK, triton.next_power_of_2(FF)),
+                                              num_warps=SWIGLU_NUM_WARPS)
+    return dot
 
 def _expert_gemm(rows, weight, plan, backends, block_m, group_bounds=None):
     if backends.gemm == "library": return grouped_gemm_library(rows, weight, plan.group_starts, plan.group_ends, plan.capacity)
@@ -697,21 +751,53 @@ def _expert_weight_grad(rows, grad_out, weight, plan, backends, write_main_grad,
         grouped_gemm_weight_grad_triton(rows, grad_out, plan.group_starts, plan.group_ends, out=buf, accumulate=not overwrite)
     return finish_weight_grad(weight, buf, write_main_grad)
 
+def _experts_forward(x, weights, gate_up, down, plan, backends, block_m, bounds):
+    "(y, rows, hidden): permute, gate_up GEMM, SwiGLU, down GEMM, combine; rows and hidden are what the backward keeps."
+    rows = gather_rows_triton(x, plan.row_token)                           # (R, D) token rows grouped by expert
+    hidden = _expert_gemm(rows, gate_up, plan, backends, block_m, bounds)  # (R, 2FF)
+    act = swiglu_forward(hidden)                                           # (R, FF)
+    expert_out = _expert_gemm(act, down, plan, backends, block_m, bounds)  # (R, D)
+    return combine_rows_triton(expert_out, plan.assignment_rows, weights), rows, hidden   # y (N, D)
+
+def _experts_backward(ctx, grad_y, weights, rows, hidden, plan):
+    "(d rows (R, D), d weights (N, k) fp32, d gate_up, d down) from dy; overwrites hidden (see the steps above)."
+    if ctx.hidden_overwritten:
+        raise RuntimeError("MoE layer: a second backward through the same forward (retain_graph=True) is not "
+                           "supported: the first overwrote the saved hidden with its gradient")
+    gate_up, down, backends, block_m, bounds = ctx.gate_up, ctx.down, ctx.backends, ctx.block_m, ctx.group_bounds
+    N, top_k = weights.shape
+    # 1. un-combine: each row gets its token's dy, not yet weighted
+    valid = plan.row_assignment >= 0
+    grad_out = gather_rows_triton(grad_y.contiguous(), torch.where(valid, plan.row_assignment // top_k, -1))   # (R, D)
+    # 2. down's input gradient, of the unweighted rows
+    grad_act = _expert_gemm(grad_out, down.transpose(1, 2), plan, backends, block_m, bounds)   # (R, FF)
+    # 3. SwiGLU, in place: d_hidden (weighted) over hidden, w * act over grad_act, and <grad_act, act> per row,
+    #    which is <dy, expert_out>: the routing weight's gradient, without keeping expert_out
+    row_weight = torch.where(valid, weights.flatten()[torch.where(valid, plan.row_assignment, 0)], 0.0).float()
+    dot = routed_swiglu_backward(grad_act, hidden, row_weight)
+    ctx.hidden_overwritten = True
+    grad_hidden, weighted_act = hidden, grad_act
+    del grad_act, hidden
+    grad_weights = torch.zeros(N * top_k + 1, dtype=torch.float32, device=grad_y.device)
+    grad_weights.scatter_(0, torch.where(valid, plan.row_assignment, N * top_k), dot)   # unused rows -> dummy slot
+    # 4. down's weight gradient: sum over rows of (w act)^T dy
+    grad_down = _expert_weight_grad(weighted_act, grad_out, down, plan, backends, ctx.write_main_grad, bounds) if down.requires_grad else None
+    del weighted_act, grad_out
+    # 5. gate_up: weight gradient from the kept rows, then the rows' gradient
+    grad_gate_up = _expert_weight_grad(rows, grad_hidden, gate_up, plan, backends, ctx.write_main_grad, bounds) if gate_up.requires_grad else None
+    del rows
+    grad_rows = _expert_gemm(grad_hidden, gate_up.transpose(1, 2), plan, backends, block_m, bounds)   # (R, D)
+    return grad_rows, grad_weights[:-1].view(N, top_k), grad_gate_up, grad_down
+
 class MoeExperts(torch.autograd.Function):
-    "y[t] = sum_j w[t, j] * SwiGLU expert(x[t]); saves x, hidden and expert_out, rebuilds the rest in backward."
+    "y[t] = sum_j w[t, j] * SwiGLU expert(x[t]) for given routing; saves the permuted rows and hidden."
     @staticmethod
     def forward(ctx, x, top_weights, gate_up, down, plan, backends, block_m, write_main_grad):
-        per_expert = "per_expert" in (backends.gemm, backends.weight_grad)
-        bounds = host_group_bounds(plan) if per_expert else None               # dropless: the layer's one host sync
-        rows = gather_rows_triton(x, plan.row_token)[0]                        # (R, D) token rows grouped by expert
-        hidden = _expert_gemm(rows, gate_up, plan, backends, block_m, bounds)  # (R, 2FF)
-        act = swiglu_forward(hidden)                                           # (R, FF)
-        expert_out = _expert_gemm(act, down, plan, backends, block_m, bounds)  # (R, D)
+        bounds = host_group_bounds(plan) if "per_expert" in (backends.gemm, backends.weight_grad) else None   # dropless: a host sync
         weights = top_weights.contiguous()                                     # (N, k) fp32
-        y = combine_rows_triton(expert_out, plan.assignment_rows, weights)     # (N, D)
-        kept = () if RECOMPUTE_IN_BACKWARD else (rows, act)
-        ctx.save_for_backward(x, weights, hidden, expert_out, plan.row_token, plan.row_assignment, plan.assignment_rows,
-                              plan.group_starts, plan.group_ends, *kept)
+        y, rows, hidden = _experts_forward(x, weights, gate_up, down, plan, backends, block_m, bounds)
+        ctx.save_for_backward(weights, rows, hidden, plan.row_token, plan.row_assignment, plan.assignment_rows,
+                              plan.group_starts, plan.group_ends)
         ctx.gate_up, ctx.down, ctx.capacity = gate_up, down, plan.capacity
         ctx.backends, ctx.block_m, ctx.write_main_grad = backends, block_m, write_main_grad
         ctx.group_bounds = bounds                                              # the backward reuses them: no second sync
@@ -720,49 +806,57 @@ class MoeExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, weights, hidden, expert_out, *index = ctx.saved_tensors[:9]
-        kept = ctx.saved_tensors[9:]
+        weights, rows, hidden, *index = ctx.saved_tensors
         plan = RoutingPlan(*index, dropped_fraction=None, capacity=ctx.capacity)
-        gate_up, down, backends, block_m, bounds = ctx.gate_up, ctx.down, ctx.backends, ctx.block_m, ctx.group_bounds
-        N, top_k = weights.shape
-        # 1. combine: d_out[r] = w * dy[token of r], and <dy[t], expert_out[r]> for the routing weight, in one pass
-        valid = plan.row_assignment >= 0
-        token_of_row = torch.where(valid, plan.row_assignment // top_k, -1)
-        row_scale = weights.flatten()[torch.where(valid, plan.row_assignment, 0)].float()
-        grad_out, dot = gather_rows_triton(grad_y.contiguous(), token_of_row, scale=row_scale, other=expert_out)   # (R, D)
-        grad_weights = torch.zeros(N * top_k + 1, dtype=torch.float32, device=x.device)
-        grad_weights.scatter_(0, torch.where(valid, plan.row_assignment, N * top_k), dot)   # unused rows -> dummy slot
-        # 2. down's input gradient
-        grad_act = _expert_gemm(grad_out, down.transpose(1, 2), plan, backends, block_m, bounds)   # (R, FF)
-        # 3. SwiGLU: with recompute, d_hidden over hidden and the forward's output (the same bits) over d_act
-        if kept: act, grad_hidden = kept[1], swiglu_backward(grad_act, hidden)
-        else:
-            if ctx.hidden_overwritten:
-                raise RuntimeError("MoeExperts: a second backward through the same forward (retain_graph=True) is not "
-                                   "supported: the first overwrote the saved hidden with its gradient")
-            grad_hidden, act = swiglu_backward(grad_act, hidden, dgate_up=hidden, out=grad_act), grad_act
-            ctx.hidden_overwritten = True
-        del grad_act, hidden
-        # 4. down's weight gradient
-        grad_down = (_expert_weight_grad(act, grad_out, down, plan, backends, ctx.write_main_grad, bounds)
-                     if ctx.needs_input_grad[3] else None)
-        del act, grad_out
-        # 5. gate_up: weight gradient from the rows gathered again, then the rows' gradient
-        rows = kept[0] if kept else gather_rows_triton(x, plan.row_token)[0]   # (R, D)
-        grad_gate_up = (_expert_weight_grad(rows, grad_hidden, gate_up, plan, backends, ctx.write_main_grad, bounds)
-                        if ctx.needs_input_grad[2] else None)
-        del rows
-        grad_rows = _expert_gemm(grad_hidden, gate_up.transpose(1, 2), plan, backends, block_m, bounds)   # (R, D)
-        del grad_hidden
-        # 6. permute: each token sums the gradients of its k rows
-        grad_x = combine_rows_triton(grad_rows, plan.assignment_rows)          # (N, D)
-        return grad_x, grad_weights[:-1].view(N, top_k).to(weights.dtype), grad_gate_up, grad_down, None, None, None, None
+        grad_rows, grad_weights, grad_gate_up, grad_down = _experts_backward(ctx, grad_y, weights, rows, hidden, plan)
+        grad_x = combine_rows_triton(grad_rows, plan.assignment_rows)          # 6. each token sums its k rows' gradients
+        return grad_x, grad_weights.to(weights.dtype), grad_gate_up, grad_down, None, None, None, None
+
+def _layer_backends(x, gate_up, down, plan):
+    strides_aligned = all(n * x.element_size() % 16 == 0 for n in (gate_up.shape[1], down.shape[1]))   # D and FF
+    return expert_backends(x.dtype, x.device, uniform_groups=plan.capacity > 0, strides_aligned=strides_aligned)
 
 def moe_experts_triton(x, top_weights, plan, gate_up, down, block_m=None, write_main_grad=True):
     "Permute, SwiGLU experts on grouped GEMMs (Triton, library or per expert: EXPERT_GEMM), un-permute and combine; y (N, D)."
-    strides_aligned = all(n * x.element_size() % 16 == 0 for n in (gate_up.shape[1], down.shape[1]))   # D and FF
-    backends = expert_backends(x.dtype, x.device, uniform_groups=plan.capacity > 0, strides_aligned=strides_aligned)
-    return MoeExperts.apply(x, top_weights, gate_up, down, plan, backends, block_m, write_main_grad)
+    return MoeExperts.apply(x, top_weights, gate_up, down, plan, _layer_backends(x, gate_up, down, plan), block_m, write_main_grad)
+
+class MoeRouted(torch.autograd.Function):
+    """The router and the experts in one function: (y, probs, top_experts, dropped_fraction) from x. Its backward takes
+    the router's chain rule by hand, so the router's share of dx is added inside the last combine kernel."""
+    @staticmethod
+    def forward(ctx, x, router, gate_up, down, top_k, dispatch, capacity_factor, block_m, write_main_grad):
+        logits = router_logits_triton(x, router)                               # (N, E) fp32
+        probs = logits.softmax(-1)
+        top_probs, top_experts = probs.topk(top_k, dim=-1)                     # the same ops as route_tokens
+        top_weights = top_probs / top_probs.sum(-1, keepdim=True)
+        n_experts = router.shape[1]
+        plan = (capacity_plan(top_experts, n_experts, capacity_factor) if dispatch == "capacity"
+                else dropless_plan(top_experts, n_experts))
+        backends = _layer_backends(x, gate_up, down, plan)
+        bounds = host_group_bounds(plan) if "per_expert" in (backends.gemm, backends.weight_grad) else None
+        y, rows, hidden = _experts_forward(x, top_weights, gate_up, down, plan, backends, block_m, bounds)
+        ctx.save_for_backward(x, router, probs, top_experts, top_weights, rows, hidden, plan.row_token, plan.row_assignment,
+                              plan.assignment_rows, plan.group_starts, plan.group_ends)
+        ctx.gate_up, ctx.down, ctx.capacity = gate_up, down, plan.capacity
+        ctx.backends, ctx.block_m, ctx.write_main_grad, ctx.group_bounds = backends, block_m, write_main_grad, bounds
+        ctx.hidden_overwritten = False
+        ctx.mark_non_differentiable(top_experts, plan.dropped_fraction)
+        return y, probs, top_experts, plan.dropped_fraction
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_probs, _top_experts, _dropped):
+        x, router, probs, top_experts, top_weights, rows, hidden, *index = ctx.saved_tensors
+        plan = RoutingPlan(*index, dropped_fraction=None, capacity=ctx.capacity)
+        grad_rows, grad_weights, grad_gate_up, grad_down = _experts_backward(ctx, grad_y, top_weights, rows, hidden, plan)
+        # the router by hand: top_weights = top_probs / their sum, top_probs = probs at top_experts, probs = softmax(logits)
+        top_sum = probs.gather(1, top_experts).sum(-1, keepdim=True)
+        grad_top = (grad_weights - (grad_weights * top_weights).sum(-1, keepdim=True)) / top_sum
+        grad_probs = grad_probs.float().scatter_add(1, top_experts, grad_top)   # + the load-balance loss's share
+        grad_logits = probs * (grad_probs - (probs * grad_probs).sum(-1, keepdim=True))
+        grad_x = (combine_rows_triton(grad_rows, plan.assignment_rows, out_dtype=x.dtype, router_grad=(grad_logits, router))
+                  if ctx.needs_input_grad[0] else None)                       # dx: the experts' rows and the router, one pass
+        grad_router = router_weight_grad_triton(x, grad_logits, router) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_router, grad_gate_up, grad_down, None, None, None, None, None
 
 # %% ../nbs/03_moe.ipynb #cfa69513
 class MoeFeedForward(torch.nn.Module):
@@ -775,6 +869,8 @@ class MoeFeedForward(torch.nn.Module):
         self.impl = resolve_impl(impl, device or "cpu")
         if self.impl == "triton" and not KERNELS_CAN_RUN:
             raise ValueError("MoeFeedForward: impl='triton' needs a CUDA GPU or TRITON_INTERPRET=1")
+        if self.impl == "triton" and dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"MoeFeedForward: impl='triton' runs fp32, bf16 or fp16 layers, got {dtype}")
         self.d_model, self.expert_d_ff, self.n_experts, self.top_k = d_model, expert_d_ff, n_experts, top_k
         self.capacity_factor, self.dispatch, self.shared_expert_d_ff = capacity_factor, dispatch, shared_expert_d_ff
         self.grouped_gemm_block_m = None           # tests shrink the Triton row tile; None = GROUPED_GEMM_BLOCK_M
@@ -795,10 +891,8 @@ class MoeFeedForward(torch.nn.Module):
         for p in self.parameters(): torch.nn.init.normal_(p, std=std)
 
     def forward(self, x):
-        N = x.shape[0]
-        probs, top_experts, top_weights = route_tokens(x, self.router, self.top_k,
-                                                       logits_fn=router_logits_triton if self.impl == "triton" else None)
         if self.impl == "torch":
+            probs, top_experts, top_weights = route_tokens(x, self.router, self.top_k)
             if self.dispatch == "capacity":
                 y, dropped = capacity_moe_reference(x, top_experts, top_weights, self.experts_gate_up, self.experts_down, self.capacity_factor)
             else:
@@ -806,11 +900,9 @@ class MoeFeedForward(torch.nn.Module):
         else:
             if x.dtype != self.experts_gate_up.dtype:
                 raise ValueError(f"MoeFeedForward(impl='triton'): x is {x.dtype} but the experts are {self.experts_gate_up.dtype}")
-            plan = (capacity_plan(top_experts, self.n_experts, self.capacity_factor) if self.dispatch == "capacity"
-                    else dropless_plan(top_experts, self.n_experts))
-            y = moe_experts_triton(x.contiguous(), top_weights, plan, self.experts_gate_up, self.experts_down,
-                                   self.grouped_gemm_block_m, write_main_grad=self.write_main_grad)
-            dropped = plan.dropped_fraction
+            y, probs, top_experts, dropped = MoeRouted.apply(x.contiguous(), self.router, self.experts_gate_up, self.experts_down,
+                                                             self.top_k, self.dispatch, self.capacity_factor,
+                                                             self.grouped_gemm_block_m, self.write_main_grad)
         if self.shared_expert_d_ff > 0:
             linear, swiglu = get_op("linear", self.impl), get_op("swiglu", self.impl)
             if self.impl == "triton": linear = functools.partial(linear, write_main_grad=self.write_main_grad)
@@ -935,13 +1027,12 @@ def saved_tensor_bytes(fn, exclude=()):
         out = fn()
     return sum(storages.values()), out
 
-def expert_saved_bytes(n_tokens, d_model, expert_d_ff, n_experts, top_k, routed_rows, itemsize=2, recompute=True):
+def expert_saved_bytes(n_tokens, d_model, expert_d_ff, n_experts, top_k, routed_rows, itemsize=2):
     "{tensor: bytes} that MoeExperts keeps for backward: activations of `itemsize` bytes, fp32 routing weights, int indices."
-    N, D, FF, R = n_tokens, d_model, expert_d_ff, routed_rows
-    saved = dict(x=N * D * itemsize, hidden=R * 2 * FF * itemsize, expert_out=R * D * itemsize,
-                 routing=N * top_k * 4 + R * 4 + R * 8 + N * top_k * 4 + 2 * n_experts * 4)   # weights, plan indices
-    if not recompute: saved.update(rows=R * D * itemsize, act=R * FF * itemsize)
-    return saved
+    D, FF, R = d_model, expert_d_ff, routed_rows
+    return dict(rows=R * D * itemsize, hidden=R * 2 * FF * itemsize,
+                routing=n_tokens * top_k * 4 + R * 4 + R * 8 + n_tokens * top_k * 4 + 2 * n_experts * 4)   # weights, plan indices
+
 
 # %% ../nbs/03_moe.ipynb #7739a8a3
 def accumulation_gradients(layer, sequences, probe, micro_batch):
@@ -1057,4 +1148,4 @@ def benchmark_suite(quick=False, rounds=5):
                         auto_picks=auto_picks, compile_modes={name: COMPILE_MODES[name] for name in compiled}, best_compile_arm=best_compile,
                         target_ms=by_arm[best_compile]["ms"] / 1.15,
                         library_support={op: list(v) for op, v in library_support(dev).items()},
-                        recompute_in_backward=RECOMPUTE_IN_BACKWARD, rounds=rounds)
+                        rounds=rounds)

@@ -1,8 +1,8 @@
 """Where does one MoE layer step go, beyond its six expert GEMMs? One GPU run (about a minute) profiles a forward +
 backward at the moe4b shape (16,384 tokens, D 3072, FF 4096, 8 experts, top-2, bf16) for the library capacity arm
 (what `auto` runs), for torch.compile of the capacity reference and for the dropless arms on `_grouped_mm` (what
-`auto` runs) and per expert, and prints each arm's unprofiled step time and its GPU kernels grouped as GEMMs and the rest, per step (5 profiled steps after warm-up). Then it times the Triton router's forward and
-backward at that shape over its block sizes, against PyTorch's fp32 product. Writes $OUT/moe_profile.json.
+`auto` runs) and per expert, and prints each arm's unprofiled step time and its GPU kernels grouped as GEMMs and the rest, per step (5 profiled steps after warm-up). Then it times the router's kernels at that shape over their block sizes
+(bf16 parts on tensor cores or fp32 FMAs), against PyTorch's fp32 products. Writes $OUT/moe_profile.json.
 `python tests/moe_profile.py` on a GPU."""
 import json, os, sys
 from collections import defaultdict
@@ -30,22 +30,34 @@ def profile_arm(step):
     return {name: dict(ms=ms, calls=calls // STEPS) for name, (ms, calls) in kernels.items()}
 
 def router_sweep(x):
-    "Forward and backward ms of the router's logits at x's shape: PyTorch's fp32 product, then the Triton kernels per block size."
-    r = (torch.randn(x.shape[1], 8, device="cuda") * 0.02).requires_grad_()
+    """The router's kernels at x's shape: forward (logits) and backward (drouter, and dx alone through the combine kernel's
+    router term), PyTorch's fp32 products first, then the Triton kernels per block size, split into bf16 parts or not."""
+    N, D = x.shape
+    r = (torch.randn(D, 8, device="cuda") * 0.02).requires_grad_()
     xg = x.clone().requires_grad_()
-    g = torch.randn(x.shape[0], 8, device="cuda")
-    arms = {"torch fp32 (RouterLogits)": (moe.RouterLogits.apply, {})}
-    for rows, cols in ((16, 64), (32, 64), (64, 64), (64, 32), (128, 32), (32, 128)):
-        arms[f"triton rows {rows} cols {cols}"] = (moe.router_logits_triton, {"ROUTER_BLOCK_ROWS": rows, "ROUTER_BLOCK_COLS": cols})
-    rows_out = []
-    print(f"\n{'router logits':30s} {'fwd ms':>8s} {'bwd ms':>8s}")
-    for name, (fn, knobs) in arms.items():
+    g = torch.randn(N, 8, device="cuda")
+    no_rows = torch.full((N, 1), -1, dtype=torch.int32, device="cuda")
+    zero_row = torch.zeros(1, D, dtype=x.dtype, device="cuda")
+    logits = moe.RouterLogits.apply(xg, r)
+    rows_out = [dict(arm="torch fp32 (RouterLogits)", fwd_ms=median_ms(lambda: moe.RouterLogits.apply(xg, r)),
+                     bwd_ms=median_ms(lambda: torch.autograd.grad(logits, (xg, r), g, retain_graph=True)))]
+    arms = {}
+    for split in (True, False):
+        for rows, cols in ((32, 128), (64, 128), (128, 64), (64, 64), (128, 128)):
+            arms[f"triton {'bf16 x3' if split else 'fp32 fma'} rows {rows} cols {cols}"] = dict(ROUTER_SPLIT=split, ROUTER_BLOCK_ROWS=rows, ROUTER_BLOCK_COLS=cols)
+    for tile in ((16, 256), (8, 512), (32, 128), (4, 1024)):
+        arms[f"dx tile {tile}"] = dict(COMBINE_ROUTER_TILE=tile)
+    for name, knobs in arms.items():
         with knob_values(moe, knobs):
-            fwd = median_ms(lambda: fn(xg, r))
-            logits = fn(xg, r)
-            bwd = median_ms(lambda: torch.autograd.grad(logits, (xg, r), g, retain_graph=True))
-        rows_out.append(dict(arm=name, fwd_ms=fwd, bwd_ms=bwd, **knobs))
-        print(f"{name:30s} {fwd:8.4f} {bwd:8.4f}")
+            row = dict(arm=name, **{k: list(v) if isinstance(v, tuple) else v for k, v in knobs.items()})
+            if "COMBINE_ROUTER_TILE" not in knobs:
+                row["fwd_ms"] = median_ms(lambda: moe.router_logits_triton(x, r.detach()))
+                row["drouter_ms"] = median_ms(lambda: moe.router_weight_grad_triton(x, g, r.detach()))
+            row["dx_ms"] = median_ms(lambda: moe.combine_rows_triton(zero_row, no_rows, out_dtype=x.dtype, router_grad=(g, r.detach())))
+        rows_out.append(row)
+    print(f"\n{'router':40s} {'fwd ms':>8s} {'bwd ms':>8s} {'drouter':>8s} {'dx':>8s}")
+    for row in rows_out:
+        print(f"{row['arm']:40s} " + " ".join(f"{row[k]:8.4f}" if k in row else f"{'':8s}" for k in ("fwd_ms", "bwd_ms", "drouter_ms", "dx_ms")))
     return rows_out
 
 def main():

@@ -190,14 +190,9 @@ def test_gather_and_combine_kernels():
     torch.manual_seed(5)
     src = torch.randn(9, 13, device=DEVICE)
     index = torch.tensor([3, -1, 0, 8, 8, -1, 2], dtype=torch.int32, device=DEVICE)
-    scale = torch.randn(7, device=DEVICE)
-    other = torch.randn(7, 13, device=DEVICE)
-    out, dot = gather_rows_triton(src, index, scale=scale, other=other)
+    out = gather_rows_triton(src, index)
     safe = index.clamp(min=0).long()
-    want = torch.where((index >= 0)[:, None], src[safe] * scale[:, None], 0.0)
-    assert rel(out.cpu(), want.cpu()) < 1e-6
-    dot_want = torch.where(index >= 0, (src[safe] * other).sum(-1), 0.0)
-    assert rel(dot.cpu(), dot_want.cpu()) < 1e-6
+    assert torch.equal(out.cpu(), torch.where((index >= 0)[:, None], src[safe], 0.0).cpu())
     rows = torch.tensor([[0, 4], [-1, 2], [-1, -1]], dtype=torch.int32, device=DEVICE)
     weights = torch.randn(3, 2, device=DEVICE)
     y = combine_rows_triton(src, rows, weights)
@@ -425,20 +420,22 @@ def test_empty_expert_gets_zero_gradient(backend):
     assert empty_grad == 0 and max(errors.values()) < 1e-4, (errors, empty_grad)
 
 @needs_kernels
-@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
-def test_recomputing_in_backward_changes_no_bit(dispatch):
-    results = {}
-    for recompute in (True, False):
-        torch.manual_seed(4)
-        layer = MoeFeedForward(16, 8, 4, 2, dispatch=dispatch, capacity_factor=0.9, impl="triton", device=DEVICE)
-        layer.grouped_gemm_block_m = 16
-        x = torch.randn(19, 16, device=DEVICE, requires_grad=True)
-        start_gradient_step(layer.parameters())
-        with knob_values(moe, {"RECOMPUTE_IN_BACKWARD": recompute}):
-            y = layer(x)
-            (y * torch.linspace(-1, 1, 16, device=DEVICE)).sum().backward()
-        results[recompute] = [y.detach(), x.grad] + [gradient_fp32(p) for p in layer.parameters()]
-    for a, b in zip(results[True], results[False]): assert torch.equal(a, b)
+@pytest.mark.parametrize("R,FF", [(5, 37), (3, 2100)])     # FF past one block: the row's dot sums over two
+def test_routed_swiglu_backward_matches_float64(R, FF):
+    torch.manual_seed(R)
+    dact, hidden = torch.randn(R, FF, device=DEVICE), torch.randn(R, 2 * FF, device=DEVICE)
+    w = torch.rand(R, device=DEVICE); w[1] = 0.0                          # an unused capacity slot has weight 0
+    gate, up = hidden.double().chunk(2, dim=-1)
+    act = torch.nn.functional.silu(gate) * up
+    h64 = gate.detach().clone().requires_grad_(), up.detach().clone().requires_grad_()
+    (torch.nn.functional.silu(h64[0]) * h64[1] * dact.double() * w.double()[:, None]).sum().backward()
+    d_hidden, weighted_act = hidden.clone(), dact.clone()
+    dot = moe.routed_swiglu_backward(weighted_act, d_hidden, w)
+    assert rel(d_hidden.cpu(), torch.cat([h64[0].grad, h64[1].grad], -1).cpu()) < 1e-6
+    assert rel(weighted_act.cpu(), (act * w.double()[:, None]).cpu()) < 1e-6 and weighted_act[1].abs().max() == 0
+    assert rel(dot.cpu(), (dact.double() * act).sum(-1).cpu()) < 1e-6
+    with pytest.raises(ValueError, match="routed_swiglu_backward"):
+        moe.routed_swiglu_backward(dact, hidden[:, :-1].contiguous(), w)
 
 @needs_kernels
 def test_second_backward_through_one_forward_is_refused():
@@ -461,13 +458,10 @@ def test_saved_bytes_match_the_count_from_shapes(dispatch):
     gate_up = torch.nn.Parameter(torch.randn(E, D, 2 * FF, device=DEVICE)); down = torch.nn.Parameter(torch.randn(E, FF, D, device=DEVICE))
     _, experts, weights = route_tokens(x.detach(), torch.randn(D, E, device=DEVICE), k)
     plan = capacity_plan(experts, E, 1.0) if dispatch == "capacity" else dropless_plan(experts, E)
-    for recompute in (True, False):
-        with knob_values(moe, {"RECOMPUTE_IN_BACKWARD": recompute}):
-            measured, y = saved_tensor_bytes(lambda: moe_experts_triton(x, weights.requires_grad_(), plan, gate_up, down, block_m=16),
-                                             exclude=[gate_up, down])
-        want = sum(expert_saved_bytes(N, D, FF, E, k, plan.row_token.shape[0], itemsize=4, recompute=recompute).values())
-        assert measured - want == (8 if dispatch == "capacity" else 0), (measured, want)   # capacity: the scratch row's 8 bytes
-        del y
+    measured, y = saved_tensor_bytes(lambda: moe_experts_triton(x, weights.requires_grad_(), plan, gate_up, down, block_m=16),
+                                     exclude=[gate_up, down])
+    want = sum(expert_saved_bytes(N, D, FF, E, k, plan.row_token.shape[0], itemsize=4).values())
+    assert measured - want == (8 if dispatch == "capacity" else 0), (measured, want)   # capacity: the scratch row's 8 bytes
 
 def test_router_logits_same_numbers_fewer_bytes():
     torch.manual_seed(7)
@@ -491,14 +485,22 @@ def test_router_logits_triton_matches_float64(N, D, E, dtype):
     assert errors["x"] < (1e-5 if dtype == torch.float32 else 1e-2), errors   # dx is written in x's dtype
 
 @needs_kernels
-def test_router_logits_triton_saves_x_only_and_falls_back():
-    x, r = torch.randn(9, 20, device=DEVICE).requires_grad_(), torch.randn(20, 4, device=DEVICE).requires_grad_()
-    saved, logits = saved_tensor_bytes(lambda: moe.router_logits_triton(x, r), exclude=[r])
-    assert saved == x.numel() * 4 and logits.dtype == torch.float32
-    x64, r64 = x.detach().double(), r.detach().double()                  # a float64 router: the torch products
+def test_router_kernels_fall_back_and_refuse_bad_shapes():
+    x, r = torch.randn(9, 20, device=DEVICE), torch.randn(20, 4, device=DEVICE)
+    assert moe.router_logits_triton(x, r).dtype == torch.float32
+    x64, r64 = x.double(), r.double()                                   # a float64 router: the torch products
     assert torch.equal(moe.router_logits_triton(x64, r64), x64 @ r64)
+    g64 = torch.randn(9, 4, dtype=torch.float64, device=DEVICE)
+    assert torch.equal(moe.router_weight_grad_triton(x64, g64, r64), x64.T @ g64)
     with pytest.raises(ValueError, match="router_logits_triton"):
         moe.router_logits_triton(x, torch.randn(21, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="router_weight_grad_triton"):
+        moe.router_weight_grad_triton(x, g64.float(), torch.randn(21, 4, device=DEVICE))
+
+@needs_kernels
+def test_triton_layer_refuses_float64():
+    with pytest.raises(ValueError, match="fp32, bf16 or fp16"):
+        MoeFeedForward(8, 4, 3, 2, impl="triton", dtype=torch.float64)
 
 def test_benchmark_arms_quick_leaves_out_max_autotune_only():
     full, quick = moe.benchmark_arms(), moe.benchmark_arms(quick=True)
