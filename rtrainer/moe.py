@@ -7,10 +7,10 @@ Docs: https://example.invalid/rtrainer/rtrainer/moe.html.md"""
 # %% auto #0
 __all__ = ['GROUPED_GEMM_BLOCK_M', 'ROW_BLOCK', 'TMA_WGRAD_CONFIG', 'INTERPRET_TMA_WGRAD_CONFIG', 'TMA_ALIGNMENT',
            'TMA_WGRAD_LAUNCH', 'COMBINE_ROUTER_TILE', 'ROUTER_BLOCK_ROWS', 'ROUTER_BLOCK_COLS', 'ROUTER_CHUNK_ROWS',
-           'ROUTER_SPLIT', 'EXPERT_GEMM', 'EXPERT_WEIGHT_GRAD', 'EXPERT_BACKENDS', 'MOE_KNOBS', 'BENCHMARK_ARMS',
-           'COMPILE_MODES', 'RouterLogits', 'route_tokens', 'load_balance_loss', 'load_balance_weight',
-           'expert_capacity', 'capacity_slots', 'expert_swiglu_reference', 'capacity_moe_reference',
-           'dropless_moe_reference', 'grouped_gemm_kernel', 'grouped_gemm_weight_grad_kernel', 'grouped_gemm_triton',
+           'EXPERT_GEMM', 'EXPERT_WEIGHT_GRAD', 'EXPERT_BACKENDS', 'MOE_KNOBS', 'BENCHMARK_ARMS', 'COMPILE_MODES',
+           'RouterLogits', 'route_tokens', 'load_balance_loss', 'load_balance_weight', 'expert_capacity',
+           'capacity_slots', 'expert_swiglu_reference', 'capacity_moe_reference', 'dropless_moe_reference',
+           'grouped_gemm_kernel', 'grouped_gemm_weight_grad_kernel', 'grouped_gemm_triton',
            'pointer_weight_grad_triton', 'grouped_gemm_reference', 'tma_weight_grad_kernel', 'tma_weight_grad_applies',
            'tma_weight_grad_triton', 'grouped_gemm_weight_grad_triton', 'gather_rows_kernel', 'combine_rows_kernel',
            'gather_rows_triton', 'combine_rows_triton', 'router_logits_kernel', 'router_grad_w_kernel',
@@ -408,7 +408,7 @@ def gather_rows_triton(src, index):
     gather_rows_kernel[(R,)](src, index, out, D, BLOCK_D=min(ROW_BLOCK, triton.next_power_of_2(D)))
     return out
 
-COMBINE_ROUTER_TILE = (16, 256)   # (tokens, columns) per program when the router's dx is added: the router tile is read once per 16 tokens
+COMBINE_ROUTER_TILE = (32, 128)   # (tokens, columns) per program when the router's dx is added: its router tile serves 32 tokens
 
 def combine_rows_triton(src, assignment_rows, weights=None, out_dtype=None, router_grad=None):
     """y[t] = sum_j weights[t, j] * src[assignment_rows[t, j]] (fp32 accumulation; dropped rows skipped), plus
@@ -425,78 +425,41 @@ def combine_rows_triton(src, assignment_rows, weights=None, out_dtype=None, rout
     return out
 
 # %% ../nbs/03_moe.ipynb #e699eeb1
-ROUTER_BLOCK_ROWS = 32      # rows of x per program (logits, dx)
-ROUTER_BLOCK_COLS = 128     # columns of x per step (logits) or per program (dx, drouter)
+ROUTER_BLOCK_ROWS = 64      # rows of x per program (logits) or per step (drouter)
+ROUTER_BLOCK_COLS = 128     # columns of x per step (logits) or per program (drouter)
 ROUTER_CHUNK_ROWS = 512     # rows summed by one drouter program before it writes its partial (a multiple of ROUTER_BLOCK_ROWS)
-ROUTER_SPLIT = True         # bf16 x on a GPU: the fp32 operand as three bf16 parts on tensor cores; False: fp32 FMAs
 
 @triton.jit
-def _bf16_part(v, part):
-    "The part-th (0, 1, 2) of three bf16 numbers whose sum is the fp32 v to about 2^-24 of it; 0 where part is 3."
-    hi = v.to(tl.bfloat16)
-    rest = v - hi.to(tl.float32)                    # exact: v and hi agree in their leading bits
-    mid = rest.to(tl.bfloat16)
-    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
-    return tl.where(part == 0, hi, tl.where(part == 1, mid, tl.where(part == 2, lo, 0.0))).to(tl.bfloat16)
-
-@triton.jit
-def _router_dot(a, b, acc, SPLIT: tl.constexpr, UPCAST: tl.constexpr):
-    "acc + a @ b: bf16 tensor cores with SPLIT (in fp32 under the interpreter, UPCAST, whose bf16 dot is wrong), else fp32 FMAs."
-    if SPLIT and not UPCAST:
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
-    return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-
-@triton.jit
-def _sum_parts(acc, ROWS: tl.constexpr, E_P: tl.constexpr, SPLIT: tl.constexpr):
-    "(ROWS, E_P): with SPLIT the four E_P-wide column groups of acc (hi, mid, lo, zero) added up, else acc."
-    if SPLIT:
-        out = tl.sum(tl.reshape(acc, [ROWS, 4, E_P]), axis=1)
-    else:
-        out = acc
-    return out
-
-@triton.jit
-def router_logits_kernel(x_ptr, w_ptr, out_ptr, N, D, E, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
-                         E_P: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+def router_logits_kernel(x_ptr, w_ptr, out_ptr, N, D, E, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, E_PAD: tl.constexpr):
     # read BLOCK_ROWS*D of x (+ D*E of the router, from cache), write BLOCK_ROWS*E per program
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    NCOL: tl.constexpr = 4 * E_P if SPLIT else E_P
-    c = tl.arange(0, NCOL)
-    part, e = c // E_P, c % E_P                      # without SPLIT part is 0: the router as it is
-    acc = tl.zeros([BLOCK_ROWS, NCOL], tl.float32)
+    experts = tl.arange(0, E_PAD)
+    acc = tl.zeros([BLOCK_ROWS, E_PAD], tl.float32)
     for d0 in range(0, D, BLOCK_COLS):
         cols = d0 + tl.arange(0, BLOCK_COLS)
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], mask=(rows[:, None] < N) & (cols[None, :] < D), other=0.0)
-        w = tl.load(w_ptr + cols[:, None] * E + e[None, :], mask=(cols[:, None] < D) & (e[None, :] < E) & (part[None, :] < 3), other=0.0)
-        acc = _router_dot(x, _bf16_part(w, part[None, :]) if SPLIT else w, acc, SPLIT, UPCAST)
-    experts = tl.arange(0, E_P)
-    tl.store(out_ptr + rows[:, None] * E + experts[None, :], _sum_parts(acc, BLOCK_ROWS, E_P, SPLIT),
-             mask=(rows[:, None] < N) & (experts[None, :] < E))
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + cols[None, :],
+                    mask=(rows[:, None] < N) & (cols[None, :] < D), other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols[:, None] * E + experts[None, :], mask=(cols[:, None] < D) & (experts[None, :] < E), other=0.0)
+        acc += tl.dot(x, w, input_precision="ieee")     # the chunk's fp32 sum (the form timed; no closer to float64 than one chain)
+    tl.store(out_ptr + rows[:, None] * E + experts[None, :], acc, mask=(rows[:, None] < N) & (experts[None, :] < E))
 
 @triton.jit
 def router_grad_w_kernel(x_ptr, g_ptr, part_ptr, N, D, E, CHUNK_ROWS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                         BLOCK_COLS: tl.constexpr, E_P: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr):
-    # read CHUNK_ROWS*BLOCK_COLS of x and CHUNK_ROWS*E of dlogits, write BLOCK_COLS*E_P partial sums per program
+                         BLOCK_COLS: tl.constexpr, E_PAD: tl.constexpr):
+    # read CHUNK_ROWS*BLOCK_COLS of x and CHUNK_ROWS*E of dlogits, write BLOCK_COLS*E_PAD partial sums per program
     cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     chunk = tl.program_id(1)
-    NCOL: tl.constexpr = 4 * E_P if SPLIT else E_P
-    c = tl.arange(0, NCOL)
-    part, e = c // E_P, c % E_P
-    acc = tl.zeros([BLOCK_COLS, NCOL], tl.float32)
+    experts = tl.arange(0, E_PAD)
+    acc = tl.zeros([BLOCK_COLS, E_PAD], tl.float32)
     for r0 in range(0, CHUNK_ROWS, BLOCK_ROWS):
         rows = chunk * CHUNK_ROWS + r0 + tl.arange(0, BLOCK_ROWS)
         xT = tl.load(x_ptr + rows[None, :].to(tl.int64) * D + cols[:, None],
-                     mask=(rows[None, :] < N) & (cols[:, None] < D), other=0.0)                     # (BLOCK_COLS, BLOCK_ROWS)
-        g = tl.load(g_ptr + rows[:, None] * E + e[None, :], mask=(rows[:, None] < N) & (e[None, :] < E) & (part[None, :] < 3), other=0.0)
-        acc = _router_dot(xT, _bf16_part(g, part[None, :]) if SPLIT else g, acc, SPLIT, UPCAST)
-    experts = tl.arange(0, E_P)
-    tl.store(part_ptr + (chunk * D + cols[:, None]).to(tl.int64) * E_P + experts[None, :],
-             _sum_parts(acc, BLOCK_COLS, E_P, SPLIT), mask=cols[:, None] < D)
+                     mask=(rows[None, :] < N) & (cols[:, None] < D), other=0.0).to(tl.float32)   # (BLOCK_COLS, BLOCK_ROWS)
+        g = tl.load(g_ptr + rows[:, None] * E + experts[None, :], mask=(rows[:, None] < N) & (experts[None, :] < E), other=0.0)
+        acc = tl.dot(xT, g.to(tl.float32), acc, input_precision="ieee")
+    tl.store(part_ptr + (chunk * D + cols[:, None]).to(tl.int64) * E_PAD + experts[None, :], acc, mask=cols[:, None] < D)
 
-def _router_layout(x, E):
-    "(E_P, SPLIT): the padded expert count of the router kernels, and whether they split the fp32 operand into bf16 parts."
-    split = ROUTER_SPLIT and x.dtype == torch.bfloat16
-    return (max(4, triton.next_power_of_2(E)) if split else max(16, triton.next_power_of_2(E))), split   # tl.dot: >= 16 columns
+def _router_e_pad(E): return max(16, triton.next_power_of_2(E))   # tl.dot wants at least 16 columns
 
 def _router_kernels_apply(x, router):
     return router.dtype == torch.float32 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
@@ -512,10 +475,9 @@ def router_logits_triton(x, router):
     if not _router_kernels_apply(x, router): return x.to(router.dtype) @ router
     x, router = x.contiguous(), router.contiguous()
     (N, D), E = x.shape, router.shape[1]
-    e_p, split = _router_layout(x, E)
     logits = torch.empty(N, E, dtype=torch.float32, device=x.device)
     router_logits_kernel[(triton.cdiv(N, ROUTER_BLOCK_ROWS),)](x, router, logits, N, D, E, BLOCK_ROWS=ROUTER_BLOCK_ROWS,
-                                                                BLOCK_COLS=ROUTER_BLOCK_COLS, E_P=e_p, SPLIT=split, UPCAST=INTERPRETING)
+                                                                BLOCK_COLS=ROUTER_BLOCK_COLS, E_PAD=_router_e_pad(E))
     return logits
 
 def router_weight_grad_triton(x, grad_logits, router):
@@ -524,12 +486,11 @@ def router_weight_grad_triton(x, grad_logits, router):
     if not _router_kernels_apply(x, router): return x.to(router.dtype).T @ grad_logits.to(router.dtype)
     x, g = x.contiguous(), grad_logits.float().contiguous()
     (N, D), E = x.shape, router.shape[1]
-    e_p, split = _router_layout(x, E)
     chunks = triton.cdiv(N, ROUTER_CHUNK_ROWS)
-    partial = torch.empty(chunks, D, e_p, dtype=torch.float32, device=x.device)
+    partial = torch.empty(chunks, D, _router_e_pad(E), dtype=torch.float32, device=x.device)
     router_grad_w_kernel[(triton.cdiv(D, ROUTER_BLOCK_COLS), chunks)](
         x, g, partial, N, D, E, CHUNK_ROWS=ROUTER_CHUNK_ROWS, BLOCK_ROWS=ROUTER_BLOCK_ROWS, BLOCK_COLS=ROUTER_BLOCK_COLS,
-        E_P=e_p, SPLIT=split, UPCAST=INTERPRETING)
+        E_PAD=_router_e_pad(E))
     return partial.sum(0)[:, :E]                       # the chunks' partials in a fixed order: deterministic
 
 # %% ../nbs/03_moe.ipynb #07221cd2

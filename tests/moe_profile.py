@@ -1,8 +1,8 @@
 """Where does one MoE layer step go, beyond its six expert GEMMs? One GPU run (about a minute) profiles a forward +
 backward at the moe4b shape (16,384 tokens, D 3072, FF 4096, 8 experts, top-2, bf16) for the library capacity arm
 (what `auto` runs), for torch.compile of the capacity reference and for the dropless arms on `_grouped_mm` (what
-`auto` runs) and per expert, and prints each arm's unprofiled step time and its GPU kernels grouped as GEMMs and the rest, per step (5 profiled steps after warm-up). Then it times the router's kernels at that shape over their block sizes
-(bf16 parts on tensor cores or fp32 FMAs), against PyTorch's fp32 products. Writes $OUT/moe_profile.json.
+`auto` runs) and per expert, and prints each arm's unprofiled step time and its GPU kernels grouped as GEMMs and the rest, per step (5 profiled steps after warm-up). Then it times the router's kernels at that shape over their block sizes,
+against PyTorch's fp32 products. Writes $OUT/moe_profile.json.
 `python tests/moe_profile.py` on a GPU."""
 import json, os, sys
 from collections import defaultdict
@@ -31,7 +31,7 @@ def profile_arm(step):
 
 def router_sweep(x):
     """The router's kernels at x's shape: forward (logits) and backward (drouter, and dx alone through the combine kernel's
-    router term), PyTorch's fp32 products first, then the Triton kernels per block size, split into bf16 parts or not."""
+    router term), PyTorch's fp32 products first, then the Triton kernels per block size."""
     N, D = x.shape
     r = (torch.randn(D, 8, device="cuda") * 0.02).requires_grad_()
     xg = x.clone().requires_grad_()
@@ -42,10 +42,9 @@ def router_sweep(x):
     rows_out = [dict(arm="torch fp32 (RouterLogits)", fwd_ms=median_ms(lambda: moe.RouterLogits.apply(xg, r)),
                      bwd_ms=median_ms(lambda: torch.autograd.grad(logits, (xg, r), g, retain_graph=True)))]
     arms = {}
-    for split in (True, False):
-        for rows, cols in ((32, 128), (64, 128), (128, 64), (64, 64), (128, 128)):
-            arms[f"triton {'bf16 x3' if split else 'fp32 fma'} rows {rows} cols {cols}"] = dict(ROUTER_SPLIT=split, ROUTER_BLOCK_ROWS=rows, ROUTER_BLOCK_COLS=cols)
-    for tile in ((16, 256), (8, 512), (32, 128), (4, 1024)):
+    for rows, cols in ((32, 128), (64, 128), (128, 64), (64, 64)):
+        arms[f"triton rows {rows} cols {cols}"] = dict(ROUTER_BLOCK_ROWS=rows, ROUTER_BLOCK_COLS=cols)
+    for tile in ((32, 128), (16, 256), (64, 64), (32, 256)):
         arms[f"dx tile {tile}"] = dict(COMBINE_ROUTER_TILE=tile)
     for name, knobs in arms.items():
         with knob_values(moe, knobs):
