@@ -418,6 +418,10 @@ def combine_rows_triton(src, assignment_rows, weights=None, out_dtype=None, rout
     out = torch.empty(N, D, dtype=out_dtype or src.dtype, device=src.device)
     dlogits, router = router_grad if router_grad is not None else (src, src)
     E = router.shape[1] if router_grad is not None else 0
+    if E and (router.dtype != torch.float32 or dlogits.shape != (N, E)):
+        raise ValueError(f"combine_rows_triton: router_grad needs dlogits ({N}, E) and an fp32 router (D, E), got "
+                         f"{tuple(dlogits.shape)} and {router.dtype} {tuple(router.shape)}")
+    dlogits, router = dlogits.float().contiguous(), router.contiguous()
     block_t, block_d = COMBINE_ROUTER_TILE if E else (1, min(ROW_BLOCK, triton.next_power_of_2(D)))
     combine_rows_kernel[(triton.cdiv(N, block_t), triton.cdiv(D, block_d))](
         src, assignment_rows, weights if weights is not None else src, dlogits, router, out, N, D,
@@ -712,8 +716,14 @@ def _expert_weight_grad(rows, grad_out, weight, plan, backends, write_main_grad,
         grouped_gemm_weight_grad_triton(rows, grad_out, plan.group_starts, plan.group_ends, out=buf, accumulate=not overwrite)
     return finish_weight_grad(weight, buf, write_main_grad)
 
-def _experts_forward(x, weights, gate_up, down, plan, backends, block_m, bounds):
-    "(y, rows, hidden): permute, gate_up GEMM, SwiGLU, down GEMM, combine; rows and hidden are what the backward keeps."
+def _experts_forward(ctx, x, weights, gate_up, down, plan, backends, block_m, write_main_grad):
+    """(y, rows, hidden): permute, gate_up GEMM, SwiGLU, down GEMM, combine; rows and hidden are what the backward keeps,
+    the rest of what it needs goes on ctx."""
+    bounds = host_group_bounds(plan) if "per_expert" in (backends.gemm, backends.weight_grad) else None   # dropless: a host sync
+    ctx.gate_up, ctx.down, ctx.capacity = gate_up, down, plan.capacity
+    ctx.backends, ctx.block_m, ctx.write_main_grad = backends, block_m, write_main_grad
+    ctx.group_bounds = bounds                                              # the backward reuses them: no second sync
+    ctx.hidden_overwritten = False
     rows = gather_rows_triton(x, plan.row_token)                           # (R, D) token rows grouped by expert
     hidden = _expert_gemm(rows, gate_up, plan, backends, block_m, bounds)  # (R, 2FF)
     act = swiglu_forward(hidden)                                           # (R, FF)
@@ -754,15 +764,10 @@ class MoeExperts(torch.autograd.Function):
     "y[t] = sum_j w[t, j] * SwiGLU expert(x[t]) for given routing; saves the permuted rows and hidden."
     @staticmethod
     def forward(ctx, x, top_weights, gate_up, down, plan, backends, block_m, write_main_grad):
-        bounds = host_group_bounds(plan) if "per_expert" in (backends.gemm, backends.weight_grad) else None   # dropless: a host sync
         weights = top_weights.contiguous()                                     # (N, k) fp32
-        y, rows, hidden = _experts_forward(x, weights, gate_up, down, plan, backends, block_m, bounds)
+        y, rows, hidden = _experts_forward(ctx, x, weights, gate_up, down, plan, backends, block_m, write_main_grad)
         ctx.save_for_backward(weights, rows, hidden, plan.row_token, plan.row_assignment, plan.assignment_rows,
                               plan.group_starts, plan.group_ends)
-        ctx.gate_up, ctx.down, ctx.capacity = gate_up, down, plan.capacity
-        ctx.backends, ctx.block_m, ctx.write_main_grad = backends, block_m, write_main_grad
-        ctx.group_bounds = bounds                                              # the backward reuses them: no second sync
-        ctx.hidden_overwritten = False
         return y
 
     @staticmethod
@@ -793,14 +798,10 @@ class MoeRouted(torch.autograd.Function):
         n_experts = router.shape[1]
         plan = (capacity_plan(top_experts, n_experts, capacity_factor) if dispatch == "capacity"
                 else dropless_plan(top_experts, n_experts))
-        backends = _layer_backends(x, gate_up, down, plan)
-        bounds = host_group_bounds(plan) if "per_expert" in (backends.gemm, backends.weight_grad) else None
-        y, rows, hidden = _experts_forward(x, top_weights, gate_up, down, plan, backends, block_m, bounds)
+        y, rows, hidden = _experts_forward(ctx, x, top_weights, gate_up, down, plan, _layer_backends(x, gate_up, down, plan),
+                                           block_m, write_main_grad)
         ctx.save_for_backward(x, router, probs, top_experts, top_weights, rows, hidden, plan.row_token, plan.row_assignment,
                               plan.assignment_rows, plan.group_starts, plan.group_ends)
-        ctx.gate_up, ctx.down, ctx.capacity = gate_up, down, plan.capacity
-        ctx.backends, ctx.block_m, ctx.write_main_grad, ctx.group_bounds = backends, block_m, write_main_grad, bounds
-        ctx.hidden_overwritten = False
         ctx.mark_non_differentiable(top_experts, plan.dropped_fraction)
         return y, probs, top_experts, plan.dropped_fraction
 

@@ -496,6 +496,9 @@ def test_router_kernels_fall_back_and_refuse_bad_shapes():
         moe.router_logits_triton(x, torch.randn(21, 4, device=DEVICE))
     with pytest.raises(ValueError, match="router_weight_grad_triton"):
         moe.router_weight_grad_triton(x, g64.float(), torch.randn(21, 4, device=DEVICE))
+    no_rows = torch.full((9, 1), -1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="combine_rows_triton"):                # the router's dx needs an fp32 router
+        combine_rows_triton(torch.zeros(1, 20, device=DEVICE), no_rows, router_grad=(g64.float(), r64))
 
 @needs_kernels
 def test_triton_layer_refuses_float64():
