@@ -7,21 +7,20 @@ Docs: https://example.invalid/rtrainer/rtrainer/moe.html.md"""
 # %% auto #0
 __all__ = ['GROUPED_GEMM_BLOCK_M', 'ROW_BLOCK', 'TMA_WGRAD_CONFIG', 'INTERPRET_TMA_WGRAD_CONFIG', 'TMA_ALIGNMENT',
            'TMA_WGRAD_LAUNCH', 'COMBINE_ROUTER_TILE', 'ROUTER_BLOCK_ROWS', 'ROUTER_BLOCK_COLS', 'ROUTER_CHUNK_ROWS',
-           'EXPERT_GEMM', 'EXPERT_WEIGHT_GRAD', 'EXPERT_BACKENDS', 'MOE_KNOBS', 'CAPACITY_PLAN_BLOCK', 'BENCHMARK_ARMS',
-           'COMPILE_MODES', 'RouterLogits', 'route_tokens', 'load_balance_loss', 'load_balance_weight',
-           'expert_capacity', 'capacity_slots', 'expert_swiglu_reference', 'capacity_moe_reference',
-           'dropless_moe_reference', 'grouped_gemm_kernel', 'grouped_gemm_weight_grad_kernel', 'grouped_gemm_triton',
+           'EXPERT_GEMM', 'EXPERT_WEIGHT_GRAD', 'EXPERT_BACKENDS', 'MOE_KNOBS', 'BENCHMARK_ARMS', 'COMPILE_MODES',
+           'RouterLogits', 'route_tokens', 'load_balance_loss', 'load_balance_weight', 'expert_capacity',
+           'capacity_slots', 'expert_swiglu_reference', 'capacity_moe_reference', 'dropless_moe_reference',
+           'grouped_gemm_kernel', 'grouped_gemm_weight_grad_kernel', 'grouped_gemm_triton',
            'pointer_weight_grad_triton', 'grouped_gemm_reference', 'tma_weight_grad_kernel', 'tma_weight_grad_applies',
            'tma_weight_grad_triton', 'grouped_gemm_weight_grad_triton', 'gather_rows_kernel', 'combine_rows_kernel',
            'gather_rows_triton', 'combine_rows_triton', 'router_logits_kernel', 'router_grad_w_kernel',
            'router_logits_triton', 'router_weight_grad_triton', 'router_parity_errors', 'library_support',
            'ExpertBackends', 'expert_backends', 'grouped_gemm_library', 'grouped_gemm_weight_grad_library',
-           'grouped_gemm_per_expert', 'grouped_gemm_weight_grad_per_expert', 'RoutingPlan', 'capacity_plan_kernel',
-           'capacity_plan', 'dropless_plan', 'host_group_bounds', 'routed_swiglu_backward_kernel',
-           'routed_swiglu_backward', 'MoeExperts', 'moe_experts_triton', 'MoeRouted', 'MoeFeedForward',
-           'moe_parameter_count', 'naive_moe_loop', 'check_moe_against_loop', 'compare_triton_to_torch',
-           'check_empty_expert', 'saved_tensor_bytes', 'expert_saved_bytes', 'accumulation_gradients', 'benchmark_arms',
-           'benchmark_suite']
+           'grouped_gemm_per_expert', 'grouped_gemm_weight_grad_per_expert', 'RoutingPlan', 'capacity_plan',
+           'dropless_plan', 'host_group_bounds', 'routed_swiglu_backward_kernel', 'routed_swiglu_backward',
+           'MoeExperts', 'moe_experts_triton', 'MoeRouted', 'MoeFeedForward', 'moe_parameter_count', 'naive_moe_loop',
+           'check_moe_against_loop', 'compare_triton_to_torch', 'check_empty_expert', 'saved_tensor_bytes',
+           'expert_saved_bytes', 'accumulation_gradients', 'benchmark_arms', 'benchmark_suite']
 
 # %% ../nbs/03_moe.ipynb #d120d79d
 import functools, math, os, sys, time
@@ -629,52 +628,20 @@ class RoutingPlan:
     dropped_fraction: torch.Tensor   # () fp32
     capacity: int = 0                # rows of every group under capacity dispatch; 0 = dropless (groups of any size)
 
-@triton.jit
-def capacity_plan_kernel(
-    experts_ptr,          # (A,) int expert of each assignment, in (token, rank) order
-    row_assignment_ptr,   # (E*C,) int64 out: assignment of each row (filled with -1 before)
-    row_token_ptr,        # (E*C,) int32 out: its token (filled with -1 before)
-    assignment_rows_ptr,  # (A,) int32 out: row of each assignment, -1 if dropped
-    starts_ptr, ends_ptr, # (E,) int32 out: expert e's rows are e*C .. (e+1)*C
-    kept_ptr,             # (E,) int32 out: assignments expert e kept
-    A, C, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
-):
-    # program e walks all A assignments in order, counting expert e's: a running count (cumsum per block + carry)
-    e = tl.program_id(0)
-    count = tl.zeros((), dtype=tl.int32)
-    for a0 in range(0, A, BLOCK):
-        a = a0 + tl.arange(0, BLOCK)
-        mine = (tl.load(experts_ptr + a, mask=a < A, other=-1) == e).to(tl.int32)
-        position = count + tl.cumsum(mine, 0) - 1                   # rank of the assignment within expert e
-        kept = (mine == 1) & (position < C)
-        row = e * C + position
-        tl.store(row_assignment_ptr + row, a.to(tl.int64), mask=kept)
-        tl.store(row_token_ptr + row, (a // TOP_K).to(tl.int32), mask=kept)
-        tl.store(assignment_rows_ptr + a, tl.where(kept, row, -1), mask=mine == 1)
-        count += tl.sum(mine, 0)
-    tl.store(starts_ptr + e, e * C)
-    tl.store(ends_ptr + e, (e + 1) * C)
-    tl.store(kept_ptr + e, tl.minimum(count, C))
-
-CAPACITY_PLAN_BLOCK = 4096   # assignments per step of a capacity_plan_kernel program (8 warps)
-
 def capacity_plan(top_experts, n_experts, capacity_factor):
-    """The routing plan of capacity dispatch: E*C rows, expert e's block of C slots (unused slots are zero rows), in one
-    kernel; the same slots as capacity_slots, (token, rank) order first."""
+    "The routing plan of capacity dispatch: E*C rows, expert e's block of C slots (unused slots are zero rows)."
     N, top_k = top_experts.shape
     capacity = expert_capacity(N, top_k, n_experts, capacity_factor)
-    dev, A = top_experts.device, N * top_k
-    row_assignment = torch.full((n_experts * capacity,), -1, dtype=torch.int64, device=dev)
-    row_token = torch.full((n_experts * capacity,), -1, dtype=torch.int32, device=dev)
-    assignment_rows = torch.empty(N, top_k, dtype=torch.int32, device=dev)
-    bounds = torch.empty(2, n_experts, dtype=torch.int32, device=dev)           # starts, ends
-    kept = torch.empty(n_experts, dtype=torch.int32, device=dev)
-    capacity_plan_kernel[(n_experts,)](top_experts.contiguous(), row_assignment, row_token, assignment_rows,
-                                       bounds[0], bounds[1], kept, A, capacity, TOP_K=top_k,
-                                       BLOCK=min(CAPACITY_PLAN_BLOCK, triton.next_power_of_2(max(A, 1))), num_warps=8)
-    return RoutingPlan(row_token=row_token, row_assignment=row_assignment, assignment_rows=assignment_rows,
-                       group_starts=bounds[0], group_ends=bounds[1],
-                       dropped_fraction=1 - kept.sum() / max(A, 1), capacity=capacity)
+    slot, kept = capacity_slots(top_experts, n_experts, capacity)
+    assignment = torch.arange(N * top_k, device=top_experts.device)
+    row_assignment = torch.full((n_experts * capacity + 1,), -1, dtype=torch.int64, device=top_experts.device)
+    row_assignment = row_assignment.scatter(0, slot, assignment)[:-1]       # the scratch row is cut off
+    starts = torch.arange(n_experts, device=top_experts.device) * capacity
+    return RoutingPlan(row_token=torch.where(row_assignment >= 0, row_assignment // top_k, -1).to(torch.int32),
+                       row_assignment=row_assignment,
+                       assignment_rows=torch.where(kept, slot, -1).view(N, top_k).to(torch.int32),
+                       group_starts=starts.to(torch.int32), group_ends=(starts + capacity).to(torch.int32),
+                       dropped_fraction=1 - kept.float().mean(), capacity=capacity)
 
 def dropless_plan(top_experts, n_experts):
     "The routing plan of dropless dispatch: N*k rows sorted by expert, (token, rank) order within an expert."
