@@ -416,12 +416,16 @@ def combine_rows_triton(src, assignment_rows, weights=None, out_dtype=None, rout
     N, top_k = assignment_rows.shape
     D = src.shape[1]
     out = torch.empty(N, D, dtype=out_dtype or src.dtype, device=src.device)
-    dlogits, router = router_grad if router_grad is not None else (src, src)
-    E = router.shape[1] if router_grad is not None else 0
-    if E and (router.dtype != torch.float32 or dlogits.shape != (N, E)):
-        raise ValueError(f"combine_rows_triton: router_grad needs dlogits ({N}, E) and an fp32 router (D, E), got "
-                         f"{tuple(dlogits.shape)} and {router.dtype} {tuple(router.shape)}")
-    dlogits, router = dlogits.float().contiguous(), router.contiguous()
+    if router_grad is not None:
+        dlogits, router = router_grad
+        E = router.shape[1]
+        if router.dtype != torch.float32 or dlogits.shape != (N, E):
+            raise ValueError(f"combine_rows_triton: router_grad needs dlogits ({N}, E) and an fp32 router (D, E), got "
+                             f"{tuple(dlogits.shape)} and {router.dtype} {tuple(router.shape)}")
+        dlogits, router = dlogits.float().contiguous(), router.contiguous()
+    else:
+        dlogits = router = src                      # not read (E = 0)
+        E = 0
     block_t, block_d = COMBINE_ROUTER_TILE if E else (1, min(ROW_BLOCK, triton.next_power_of_2(D)))
     combine_rows_kernel[(triton.cdiv(N, block_t), triton.cdiv(D, block_d))](
         src, assignment_rows, weights if weights is not None else src, dlogits, router, out, N, D,
