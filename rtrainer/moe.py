@@ -795,10 +795,7 @@ class MoeRouted(torch.autograd.Function):
     the router's chain rule by hand, so the router's share of dx is added inside the last combine kernel."""
     @staticmethod
     def forward(ctx, x, router, gate_up, down, top_k, dispatch, capacity_factor, block_m, write_main_grad):
-        logits = router_logits_triton(x, router)                               # (N, E) fp32
-        probs = logits.softmax(-1)
-        top_probs, top_experts = probs.topk(top_k, dim=-1)                     # the same ops as route_tokens
-        top_weights = top_probs / top_probs.sum(-1, keepdim=True)
+        probs, top_experts, top_weights = route_tokens(x, router, top_k, logits_fn=router_logits_triton)   # no graph here
         n_experts = router.shape[1]
         plan = (capacity_plan(top_experts, n_experts, capacity_factor) if dispatch == "capacity"
                 else dropless_plan(top_experts, n_experts))
