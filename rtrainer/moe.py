@@ -7,20 +7,22 @@ Docs: https://example.invalid/rtrainer/rtrainer/moe.html.md"""
 # %% auto #0
 __all__ = ['GROUPED_GEMM_BLOCK_M', 'ROW_BLOCK', 'TMA_WGRAD_CONFIG', 'INTERPRET_TMA_WGRAD_CONFIG', 'TMA_ALIGNMENT',
            'TMA_WGRAD_LAUNCH', 'COMBINE_ROUTER_TILE', 'ROUTER_BLOCK_ROWS', 'ROUTER_BLOCK_COLS', 'ROUTER_CHUNK_ROWS',
-           'EXPERT_GEMM', 'EXPERT_WEIGHT_GRAD', 'EXPERT_BACKENDS', 'MOE_KNOBS', 'BENCHMARK_ARMS', 'COMPILE_MODES',
-           'RouterLogits', 'route_tokens', 'load_balance_loss', 'load_balance_weight', 'expert_capacity',
-           'capacity_slots', 'expert_swiglu_reference', 'capacity_moe_reference', 'dropless_moe_reference',
-           'grouped_gemm_kernel', 'grouped_gemm_weight_grad_kernel', 'grouped_gemm_triton',
+           'EXPERT_GEMM', 'EXPERT_WEIGHT_GRAD', 'EXPERT_BACKENDS', 'MOE_KNOBS', 'CAPACITY_PLAN_BLOCK', 'BENCHMARK_ARMS',
+           'COMPILE_MODES', 'RouterLogits', 'route_tokens', 'load_balance_loss', 'load_balance_weight',
+           'expert_capacity', 'capacity_slots', 'expert_swiglu_reference', 'capacity_moe_reference',
+           'dropless_moe_reference', 'grouped_gemm_kernel', 'grouped_gemm_weight_grad_kernel', 'grouped_gemm_triton',
            'pointer_weight_grad_triton', 'grouped_gemm_reference', 'tma_weight_grad_kernel', 'tma_weight_grad_applies',
            'tma_weight_grad_triton', 'grouped_gemm_weight_grad_triton', 'gather_rows_kernel', 'combine_rows_kernel',
            'gather_rows_triton', 'combine_rows_triton', 'router_logits_kernel', 'router_grad_w_kernel',
-           'router_logits_triton', 'router_weight_grad_triton', 'router_parity_errors', 'library_support',
-           'ExpertBackends', 'expert_backends', 'grouped_gemm_library', 'grouped_gemm_weight_grad_library',
-           'grouped_gemm_per_expert', 'grouped_gemm_weight_grad_per_expert', 'RoutingPlan', 'capacity_plan',
-           'dropless_plan', 'host_group_bounds', 'routed_swiglu_backward_kernel', 'routed_swiglu_backward',
-           'MoeExperts', 'moe_experts_triton', 'MoeRouted', 'MoeFeedForward', 'moe_parameter_count', 'naive_moe_loop',
-           'check_moe_against_loop', 'compare_triton_to_torch', 'check_empty_expert', 'saved_tensor_bytes',
-           'expert_saved_bytes', 'accumulation_gradients', 'benchmark_arms', 'benchmark_suite']
+           'router_backward_kernel', 'router_logits_triton', 'route_tokens_triton', 'router_backward_triton',
+           'router_weight_grad_triton', 'router_parity_errors', 'library_support', 'ExpertBackends', 'expert_backends',
+           'grouped_gemm_library', 'grouped_gemm_weight_grad_library', 'grouped_gemm_per_expert',
+           'grouped_gemm_weight_grad_per_expert', 'RoutingPlan', 'capacity_plan_kernel', 'capacity_plan_reference',
+           'capacity_plan', 'dropless_plan', 'host_group_bounds', 'routed_swiglu_backward_kernel',
+           'routed_swiglu_backward', 'MoeExperts', 'moe_experts_triton', 'MoeRouted', 'MoeFeedForward',
+           'moe_parameter_count', 'naive_moe_loop', 'check_moe_against_loop', 'compare_triton_to_torch',
+           'check_empty_expert', 'saved_tensor_bytes', 'expert_saved_bytes', 'accumulation_gradients', 'benchmark_arms',
+           'benchmark_suite']
 
 # %% ../nbs/03_moe.ipynb #d120d79d
 import functools, math, os, sys, time
@@ -438,8 +440,9 @@ ROUTER_BLOCK_COLS = 128     # columns of x per step (logits) or per program (dro
 ROUTER_CHUNK_ROWS = 512     # rows summed by one drouter program before it writes its partial (a multiple of ROUTER_BLOCK_ROWS)
 
 @triton.jit
-def router_logits_kernel(x_ptr, w_ptr, out_ptr, N, D, E, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, E_PAD: tl.constexpr):
-    # read BLOCK_ROWS*D of x (+ D*E of the router, from cache), write BLOCK_ROWS*E per program
+def router_logits_kernel(x_ptr, w_ptr, out_ptr, experts_ptr, weights_ptr, N, D, E, BLOCK_ROWS: tl.constexpr,
+                         BLOCK_COLS: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr):
+    # read BLOCK_ROWS*D of x (+ D*E of the router, from cache), write BLOCK_ROWS*E (+ 2*BLOCK_ROWS*TOP_K) per program
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     experts = tl.arange(0, E_PAD)
     acc = tl.zeros([BLOCK_ROWS, E_PAD], tl.float32)
@@ -449,7 +452,26 @@ def router_logits_kernel(x_ptr, w_ptr, out_ptr, N, D, E, BLOCK_ROWS: tl.constexp
                     mask=(rows[:, None] < N) & (cols[None, :] < D), other=0.0).to(tl.float32)
         w = tl.load(w_ptr + cols[:, None] * E + experts[None, :], mask=(cols[:, None] < D) & (experts[None, :] < E), other=0.0)
         acc += tl.dot(x, w, input_precision="ieee")     # the chunk's fp32 sum (the form timed; no closer to float64 than one chain)
-    tl.store(out_ptr + rows[:, None] * E + experts[None, :], acc, mask=(rows[:, None] < N) & (experts[None, :] < E))
+    is_expert = experts[None, :] < E
+    out_mask = (rows[:, None] < N) & is_expert
+    if TOP_K == 0:                                      # the logits alone
+        tl.store(out_ptr + rows[:, None] * E + experts[None, :], acc, mask=out_mask)
+    else:                                               # route: softmax, top-k, renormalized weights, all in registers
+        logits = tl.where(is_expert, acc, float("-inf"))
+        p = tl.exp(logits - tl.max(logits, 1)[:, None])
+        probs = p / tl.sum(p, 1)[:, None]
+        tl.store(out_ptr + rows[:, None] * E + experts[None, :], probs, mask=out_mask)
+        left = tl.where(is_expert, probs, -1.0)         # probabilities not picked yet (padding never is)
+        top_sum = tl.zeros([BLOCK_ROWS], tl.float32)
+        for j in tl.static_range(TOP_K):                # pass 1: the sum of the k largest, largest first
+            top_sum += tl.max(left, 1)
+            left = tl.where(experts[None, :] == tl.argmax(left, 1)[:, None], -1.0, left)
+        left = tl.where(is_expert, probs, -1.0)
+        for j in tl.static_range(TOP_K):                # pass 2: the same picks (ties: the lower expert), written
+            pick = tl.argmax(left, 1)
+            tl.store(experts_ptr + rows * TOP_K + j, pick.to(tl.int64), mask=rows < N)
+            tl.store(weights_ptr + rows * TOP_K + j, tl.max(left, 1) / top_sum, mask=rows < N)
+            left = tl.where(experts[None, :] == pick[:, None], -1.0, left)
 
 @triton.jit
 def router_grad_w_kernel(x_ptr, g_ptr, part_ptr, N, D, E, CHUNK_ROWS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
@@ -466,6 +488,30 @@ def router_grad_w_kernel(x_ptr, g_ptr, part_ptr, N, D, E, CHUNK_ROWS: tl.constex
         g = tl.load(g_ptr + rows[:, None] * E + experts[None, :], mask=(rows[:, None] < N) & (experts[None, :] < E), other=0.0)
         acc = tl.dot(xT, g.to(tl.float32), acc, input_precision="ieee")
     tl.store(part_ptr + (chunk * D + cols[:, None]).to(tl.int64) * E_PAD + experts[None, :], acc, mask=cols[:, None] < D)
+
+@triton.jit
+def router_backward_kernel(gw_ptr, tw_ptr, te_ptr, probs_ptr, gp_ptr, gp_stride_n, gp_stride_e, out_ptr, N, E,
+                           TOP_K: tl.constexpr, BLOCK_ROWS: tl.constexpr, E_PAD: tl.constexpr):
+    # read BLOCK_ROWS*(2E + 3*TOP_K), write BLOCK_ROWS*E per program: the chain rule of route_tokens, row by row
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    experts = tl.arange(0, E_PAD)
+    live = rows < N
+    mask = live[:, None] & (experts[None, :] < E)
+    probs = tl.load(probs_ptr + rows[:, None] * E + experts[None, :], mask=mask, other=0.0)
+    grad = tl.load(gp_ptr + rows[:, None] * gp_stride_n + experts[None, :] * gp_stride_e, mask=mask, other=0.0).to(tl.float32)
+    top_sum = tl.zeros([BLOCK_ROWS], tl.float32)        # sum of the picked probabilities
+    weighted = tl.zeros([BLOCK_ROWS], tl.float32)       # sum_j dweight_j * weight_j
+    for j in tl.static_range(TOP_K):
+        pick = tl.load(te_ptr + rows * TOP_K + j, mask=live, other=0)
+        top_sum += tl.sum(tl.where(experts[None, :] == pick[:, None], probs, 0.0), 1)
+        weighted += tl.load(gw_ptr + rows * TOP_K + j, mask=live, other=0.0) * tl.load(tw_ptr + rows * TOP_K + j, mask=live, other=0.0)
+    top_sum = tl.where(live, top_sum, 1.0)
+    for j in tl.static_range(TOP_K):                    # renormalization's backward, scattered onto the picked columns
+        pick = tl.load(te_ptr + rows * TOP_K + j, mask=live, other=0)
+        grad_top = (tl.load(gw_ptr + rows * TOP_K + j, mask=live, other=0.0) - weighted) / top_sum
+        grad += tl.where(experts[None, :] == pick[:, None], grad_top[:, None], 0.0)
+    grad_logits = probs * (grad - tl.sum(probs * grad, 1)[:, None])   # softmax's backward
+    tl.store(out_ptr + rows[:, None] * E + experts[None, :], grad_logits, mask=mask)
 
 def _router_e_pad(E): return max(16, triton.next_power_of_2(E))   # tl.dot wants at least 16 columns
 
@@ -484,9 +530,40 @@ def router_logits_triton(x, router):
     x, router = x.contiguous(), router.contiguous()
     (N, D), E = x.shape, router.shape[1]
     logits = torch.empty(N, E, dtype=torch.float32, device=x.device)
-    router_logits_kernel[(triton.cdiv(N, ROUTER_BLOCK_ROWS),)](x, router, logits, N, D, E, BLOCK_ROWS=ROUTER_BLOCK_ROWS,
-                                                                BLOCK_COLS=ROUTER_BLOCK_COLS, E_PAD=_router_e_pad(E))
+    router_logits_kernel[(triton.cdiv(N, ROUTER_BLOCK_ROWS),)](x, router, logits, logits, logits, N, D, E, BLOCK_ROWS=ROUTER_BLOCK_ROWS,
+                                                                BLOCK_COLS=ROUTER_BLOCK_COLS, E_PAD=_router_e_pad(E), TOP_K=0)
     return logits
+
+def route_tokens_triton(x, router, top_k):
+    """route_tokens without autograd, in one kernel: (probs (N, E) fp32, top_experts (N, k) int64, top_weights (N, k)
+    fp32); ties go to the lower expert. Where the kernel does not apply (see router_logits_triton), route_tokens."""
+    _check_router_shapes(x, router, "route_tokens_triton")
+    (N, D), E = x.shape, router.shape[1]
+    if not 1 <= top_k <= E: raise ValueError(f"route_tokens_triton: need 1 <= top_k <= {E} experts, got top_k={top_k}")
+    if not _router_kernels_apply(x, router): return route_tokens(x, router, top_k)
+    x, router = x.contiguous(), router.contiguous()
+    probs = torch.empty(N, E, dtype=torch.float32, device=x.device)
+    top_experts = torch.empty(N, top_k, dtype=torch.int64, device=x.device)
+    top_weights = torch.empty(N, top_k, dtype=torch.float32, device=x.device)
+    router_logits_kernel[(triton.cdiv(N, ROUTER_BLOCK_ROWS),)](x, router, probs, top_experts, top_weights, N, D, E,
+                                                                BLOCK_ROWS=ROUTER_BLOCK_ROWS, BLOCK_COLS=ROUTER_BLOCK_COLS,
+                                                                E_PAD=_router_e_pad(E), TOP_K=top_k)
+    return probs, top_experts, top_weights
+
+def router_backward_triton(grad_weights, top_weights, top_experts, probs, grad_probs):
+    """d logits (N, E) fp32 of route_tokens' outputs, given the gradients of top_weights (N, k) and of probs (N, E,
+    any strides: the load-balance loss's is a broadcast), in one kernel; fp32 probabilities and weights."""
+    N, E = probs.shape
+    top_k = top_experts.shape[1]
+    if probs.dtype != torch.float32 or top_weights.dtype != torch.float32 or grad_probs.shape != (N, E):
+        raise ValueError(f"router_backward_triton: needs fp32 probs and top_weights and grad_probs of shape ({N}, {E}), got "
+                         f"{probs.dtype}, {top_weights.dtype} and {tuple(grad_probs.shape)}")
+    grad_logits = torch.empty(N, E, dtype=torch.float32, device=probs.device)
+    router_backward_kernel[(triton.cdiv(N, ROUTER_BLOCK_ROWS),)](
+        grad_weights.float().contiguous(), top_weights.contiguous(), top_experts.contiguous(), probs.contiguous(), grad_probs,
+        grad_probs.stride(0), grad_probs.stride(1), grad_logits, N, E, TOP_K=top_k, BLOCK_ROWS=ROUTER_BLOCK_ROWS,
+        E_PAD=triton.next_power_of_2(E))
+    return grad_logits
 
 def router_weight_grad_triton(x, grad_logits, router):
     "The router's gradient x^T @ grad_logits (D, E) in the router's dtype: the kernel above where it applies, else a matmul."
@@ -632,8 +709,44 @@ class RoutingPlan:
     dropped_fraction: torch.Tensor   # () fp32
     capacity: int = 0                # rows of every group under capacity dispatch; 0 = dropless (groups of any size)
 
-def capacity_plan(top_experts, n_experts, capacity_factor):
-    "The routing plan of capacity dispatch: E*C rows, expert e's block of C slots (unused slots are zero rows)."
+@triton.jit
+def capacity_plan_kernel(
+    experts_ptr,          # (A,) int expert of each assignment, in (token, rank) order
+    row_assignment_ptr,   # (E*C,) int64 out: assignment of each row, -1 for an unused slot
+    row_token_ptr,        # (E*C,) int32 out: its token, -1 for an unused slot
+    assignment_rows_ptr,  # (A,) int32 out: row of each assignment, -1 if dropped
+    bounds_ptr,           # (2, E) int32 out: group starts e*C, then group ends (e+1)*C
+    kept_ptr,             # (E,) int32 out: assignments expert e kept
+    A, C, E, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # program e walks all A assignments in order, counting expert e's (a cumsum per block plus a carry), then marks
+    # its unused slots; read A, write what expert e owns
+    e = tl.program_id(0)
+    count = tl.zeros((), dtype=tl.int32)
+    for a0 in range(0, A, BLOCK):
+        a = a0 + tl.arange(0, BLOCK)
+        mine = (tl.load(experts_ptr + a, mask=a < A, other=-1) == e).to(tl.int32)
+        position = count + tl.cumsum(mine, 0) - 1                   # rank of the assignment within expert e
+        kept = (mine == 1) & (position < C)
+        row = e * C + position
+        tl.store(row_assignment_ptr + row, a.to(tl.int64), mask=kept)
+        tl.store(row_token_ptr + row, (a // TOP_K).to(tl.int32), mask=kept)
+        tl.store(assignment_rows_ptr + a, tl.where(kept, row, -1), mask=mine == 1)
+        count += tl.sum(mine, 0)
+    filled = tl.minimum(count, C)
+    for r0 in range(0, C, BLOCK):                                   # the slots nobody took
+        r = r0 + tl.arange(0, BLOCK)
+        unused = (r >= filled) & (r < C)
+        tl.store(row_assignment_ptr + e * C + r, tl.full([BLOCK], -1, tl.int64), mask=unused)
+        tl.store(row_token_ptr + e * C + r, tl.full([BLOCK], -1, tl.int32), mask=unused)
+    tl.store(bounds_ptr + e, e * C)
+    tl.store(bounds_ptr + E + e, (e + 1) * C)
+    tl.store(kept_ptr + e, filled)
+
+CAPACITY_PLAN_BLOCK = 4096   # assignments per step of a capacity_plan_kernel program (8 warps)
+
+def capacity_plan_reference(top_experts, n_experts, capacity_factor):
+    "The routing plan of capacity dispatch from capacity_slots, in a few PyTorch ops: what capacity_plan's kernel must match."
     N, top_k = top_experts.shape
     capacity = expert_capacity(N, top_k, n_experts, capacity_factor)
     slot, kept = capacity_slots(top_experts, n_experts, capacity)
@@ -646,6 +759,26 @@ def capacity_plan(top_experts, n_experts, capacity_factor):
                        assignment_rows=torch.where(kept, slot, -1).view(N, top_k).to(torch.int32),
                        group_starts=starts.to(torch.int32), group_ends=(starts + capacity).to(torch.int32),
                        dropped_fraction=1 - kept.float().mean(), capacity=capacity)
+
+def capacity_plan(top_experts, n_experts, capacity_factor):
+    """The routing plan of capacity dispatch: E*C rows, expert e's block of C slots (unused slots are zero rows),
+    (token, rank) order first; one kernel where kernels run, else capacity_plan_reference."""
+    if not KERNELS_CAN_RUN or (top_experts.device.type == "cpu" and not INTERPRETING):
+        return capacity_plan_reference(top_experts, n_experts, capacity_factor)
+    N, top_k = top_experts.shape
+    capacity = expert_capacity(N, top_k, n_experts, capacity_factor)
+    dev, A = top_experts.device, N * top_k
+    row_assignment = torch.empty(n_experts * capacity, dtype=torch.int64, device=dev)
+    row_token = torch.empty(n_experts * capacity, dtype=torch.int32, device=dev)
+    assignment_rows = torch.empty(N, top_k, dtype=torch.int32, device=dev)
+    bounds = torch.empty(2, n_experts, dtype=torch.int32, device=dev)
+    kept = torch.empty(n_experts, dtype=torch.int32, device=dev)
+    capacity_plan_kernel[(n_experts,)](top_experts.contiguous(), row_assignment, row_token, assignment_rows, bounds, kept,
+                                       A, capacity, n_experts, TOP_K=top_k,
+                                       BLOCK=min(CAPACITY_PLAN_BLOCK, triton.next_power_of_2(max(A, capacity, 1))), num_warps=8)
+    return RoutingPlan(row_token=row_token, row_assignment=row_assignment, assignment_rows=assignment_rows,
+                       group_starts=bounds[0], group_ends=bounds[1],
+                       dropped_fraction=1 - kept.sum() / max(A, 1), capacity=capacity)
 
 def dropless_plan(top_experts, n_experts):
     "The routing plan of dropless dispatch: N*k rows sorted by expert, (token, rank) order within an expert."
@@ -670,13 +803,15 @@ def host_group_bounds(plan):
 def routed_swiglu_backward_kernel(
     dact_ptr,       # (R, FF) d act of the unweighted dy rows; w * act is written over it
     hidden_ptr,     # (R, 2FF) gate | up of the forward; d hidden is written over it
-    weight_ptr,     # (R,) fp32 routing weight of each row (0 for an unused capacity slot)
-    dot_ptr,        # (R,) fp32 out: <d act, act>, the routing weight's gradient
+    assignment_ptr, # (R,) int64 assignment of each row, -1 for an unused capacity slot (weight 0)
+    weight_ptr,     # (N*k,) routing weight of each assignment
+    dweight_ptr,    # (N*k,) fp32 out: <d act, act> of the assignment's row, the routing weight's gradient
     FF, BLOCK: tl.constexpr,
 ):
     # read 3 FF, write 3 FF per row; one program per row, so the row's dot is summed in one place (no atomics)
     r = tl.program_id(0).to(tl.int64)
-    w = tl.load(weight_ptr + r)
+    a = tl.load(assignment_ptr + r)
+    w = tl.where(a >= 0, tl.load(weight_ptr + tl.maximum(a, 0)).to(tl.float32), 0.0)
     dot = tl.zeros((BLOCK,), dtype=tl.float32)
     for c0 in range(0, FF, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
@@ -691,18 +826,20 @@ def routed_swiglu_backward_kernel(
         tl.store(hidden_ptr + r * 2 * FF + cols, (dy * up * s * (1.0 + gate * (1.0 - s))).to(hidden_ptr.dtype.element_ty), mask=mask)
         tl.store(hidden_ptr + r * 2 * FF + FF + cols, (dy * gate * s).to(hidden_ptr.dtype.element_ty), mask=mask)
         tl.store(dact_ptr + r * FF + cols, (act.to(tl.float32) * w).to(dact_ptr.dtype.element_ty), mask=mask)
-    tl.store(dot_ptr + r, tl.sum(dot, 0))
+    tl.store(dweight_ptr + a, tl.sum(dot, 0), mask=a >= 0)
 
-def routed_swiglu_backward(dact, hidden, row_weight):
-    """SwiGLU backward of rows whose output the combine weighted by `row_weight`, in place: d hidden over `hidden`,
-    w * act over `dact`; returns <dact[r], act[r]> (R,) fp32, the gradient of each row's routing weight."""
+def routed_swiglu_backward(dact, hidden, row_assignment, weights):
+    """SwiGLU backward of rows whose output the combine weighted by their assignment's routing weight `weights` (N, k),
+    in place: d hidden over `hidden`, w * act over `dact`; returns <dact[r], act[r]> at each row's assignment (N, k)
+    fp32, the routing weights' gradient (0 for a dropped assignment)."""
     R, FF = dact.shape
-    if hidden.shape != (R, 2 * FF) or not (dact.is_contiguous() and hidden.is_contiguous()):
-        raise ValueError(f"routed_swiglu_backward: need contiguous dact (R, FF) and hidden (R, 2FF), got {tuple(dact.shape)} and {tuple(hidden.shape)}")
-    dot = torch.empty(R, dtype=torch.float32, device=dact.device)
-    if R: routed_swiglu_backward_kernel[(R,)](dact, hidden, row_weight, dot, FF, BLOCK=min(SWIGLU_BLOCK, triton.next_power_of_2(FF)),
-                                              num_warps=SWIGLU_NUM_WARPS)
-    return dot
+    if hidden.shape != (R, 2 * FF) or not (dact.is_contiguous() and hidden.is_contiguous()) or row_assignment.shape != (R,):
+        raise ValueError(f"routed_swiglu_backward: need contiguous dact (R, FF), hidden (R, 2FF) and row_assignment (R,), got "
+                         f"{tuple(dact.shape)}, {tuple(hidden.shape)} and {tuple(row_assignment.shape)}")
+    grad_weights = torch.zeros(weights.shape, dtype=torch.float32, device=dact.device)
+    if R: routed_swiglu_backward_kernel[(R,)](dact, hidden, row_assignment, weights.contiguous(), grad_weights, FF,
+                                              BLOCK=min(SWIGLU_BLOCK, triton.next_power_of_2(FF)), num_warps=SWIGLU_NUM_WARPS)
+    return grad_weights
 
 def _expert_gemm(rows, weight, plan, backends, block_m, group_bounds=None):
     if backends.gemm == "library": return grouped_gemm_library(rows, weight, plan.group_starts, plan.group_ends, plan.capacity)
@@ -740,21 +877,16 @@ def _experts_backward(ctx, grad_y, weights, rows, hidden, plan):
         raise RuntimeError("MoE layer: a second backward through the same forward (retain_graph=True) is not "
                            "supported: the first overwrote the saved hidden with its gradient")
     gate_up, down, backends, block_m, bounds = ctx.gate_up, ctx.down, ctx.backends, ctx.block_m, ctx.group_bounds
-    N, top_k = weights.shape
     # 1. un-combine: each row gets its token's dy, not yet weighted
-    valid = plan.row_assignment >= 0
-    grad_out = gather_rows_triton(grad_y.contiguous(), torch.where(valid, plan.row_assignment // top_k, -1))   # (R, D)
+    grad_out = gather_rows_triton(grad_y.contiguous(), plan.row_token)                            # (R, D)
     # 2. down's input gradient, of the unweighted rows
     grad_act = _expert_gemm(grad_out, down.transpose(1, 2), plan, backends, block_m, bounds)   # (R, FF)
     # 3. SwiGLU, in place: d_hidden (weighted) over hidden, w * act over grad_act, and <grad_act, act> per row,
     #    which is <dy, expert_out>: the routing weight's gradient, without keeping expert_out
-    row_weight = torch.where(valid, weights.flatten()[torch.where(valid, plan.row_assignment, 0)], 0.0).float()
-    dot = routed_swiglu_backward(grad_act, hidden, row_weight)
+    grad_weights = routed_swiglu_backward(grad_act, hidden, plan.row_assignment, weights)             # (N, k) fp32
     ctx.hidden_overwritten = True
     grad_hidden, weighted_act = hidden, grad_act
     del grad_act, hidden
-    grad_weights = torch.zeros(N * top_k + 1, dtype=torch.float32, device=grad_y.device)
-    grad_weights.scatter_(0, torch.where(valid, plan.row_assignment, N * top_k), dot)   # unused rows -> dummy slot
     # 4. down's weight gradient: sum over rows of (w act)^T dy
     grad_down = _expert_weight_grad(weighted_act, grad_out, down, plan, backends, ctx.write_main_grad, bounds) if down.requires_grad else None
     del weighted_act, grad_out
@@ -762,7 +894,7 @@ def _experts_backward(ctx, grad_y, weights, rows, hidden, plan):
     grad_gate_up = _expert_weight_grad(rows, grad_hidden, gate_up, plan, backends, ctx.write_main_grad, bounds) if gate_up.requires_grad else None
     del rows
     grad_rows = _expert_gemm(grad_hidden, gate_up.transpose(1, 2), plan, backends, block_m, bounds)   # (R, D)
-    return grad_rows, grad_weights[:-1].view(N, top_k), grad_gate_up, grad_down
+    return grad_rows, grad_weights, grad_gate_up, grad_down
 
 class MoeExperts(torch.autograd.Function):
     "y[t] = sum_j w[t, j] * SwiGLU expert(x[t]) for given routing; saves the permuted rows and hidden."
@@ -795,7 +927,7 @@ class MoeRouted(torch.autograd.Function):
     the router's chain rule by hand, so the router's share of dx is added inside the last combine kernel."""
     @staticmethod
     def forward(ctx, x, router, gate_up, down, top_k, dispatch, capacity_factor, block_m, write_main_grad):
-        probs, top_experts, top_weights = route_tokens(x, router, top_k, logits_fn=router_logits_triton)   # no graph here
+        probs, top_experts, top_weights = route_tokens_triton(x, router, top_k)          # one kernel, no graph here
         n_experts = router.shape[1]
         plan = (capacity_plan(top_experts, n_experts, capacity_factor) if dispatch == "capacity"
                 else dropless_plan(top_experts, n_experts))
@@ -811,11 +943,8 @@ class MoeRouted(torch.autograd.Function):
         x, router, probs, top_experts, top_weights, rows, hidden, *index = ctx.saved_tensors
         plan = RoutingPlan(*index, dropped_fraction=None, capacity=ctx.capacity)
         grad_rows, grad_weights, grad_gate_up, grad_down = _experts_backward(ctx, grad_y, top_weights, rows, hidden, plan)
-        # the router by hand: top_weights = top_probs / their sum, top_probs = probs at top_experts, probs = softmax(logits)
-        top_sum = probs.gather(1, top_experts).sum(-1, keepdim=True)
-        grad_top = (grad_weights - (grad_weights * top_weights).sum(-1, keepdim=True)) / top_sum
-        grad_probs = grad_probs.float().scatter_add(1, top_experts, grad_top)   # + the load-balance loss's share
-        grad_logits = probs * (grad_probs - (probs * grad_probs).sum(-1, keepdim=True))
+        # the router by hand, one kernel: renormalization, top-k and softmax backward (plus the load-balance loss's share)
+        grad_logits = router_backward_triton(grad_weights, top_weights, top_experts, probs, grad_probs)
         grad_x = (combine_rows_triton(grad_rows, plan.assignment_rows, out_dtype=x.dtype, router_grad=(grad_logits, router))
                   if ctx.needs_input_grad[0] else None)                       # dx: the experts' rows and the router, one pass
         grad_router = router_weight_grad_triton(x, grad_logits, router) if ctx.needs_input_grad[1] else None
@@ -1025,6 +1154,7 @@ BENCHMARK_ARMS = {   # arm: (dispatch, impl, knobs); the first arm is compiled, 
 COMPILE_MODES = {"torch.compile capacity": "default", "torch.compile max-autotune capacity": "max-autotune-no-cudagraphs"}
 def _moe_layer_step(layer, x, grad_y, params):
     start_gradient_step(params)
+    x.grad = None                     # a fresh dx each step, as in training (an accumulated one costs an (N, D) add)
     y = layer(x)
     torch.autograd.backward([y, layer.last_stats["load_balance_loss"]], [grad_y, torch.ones_like(layer.last_stats["load_balance_loss"])])
 

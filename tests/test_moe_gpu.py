@@ -29,6 +29,30 @@ def test_router_logits_triton_bf16_moe4b_shape():
     print(errors)
     assert errors["logits"] < 1e-5 and errors["router"] < 1e-5 and errors["x"] < 1e-2, errors
 
+def test_route_tokens_triton_bf16_moe4b_shape():
+    torch.manual_seed(1)
+    x = torch.randn(16_384 + 3, 3072, device="cuda").bfloat16()
+    router = torch.randn(3072, 8, device="cuda") * 0.02
+    probs, experts, weights = moe.route_tokens_triton(x, router, 2)
+    p64, e64, w64 = moe.route_tokens(x.double(), router.double(), 2)
+    same = (experts == e64).all(-1)
+    top3 = p64.sort(-1, descending=True).values[:, :3]
+    gap = torch.minimum(top3[:, 0] - top3[:, 1], top3[:, 1] - top3[:, 2])   # a near-tie may flip an order or a pick
+    print("probs", rel(probs, p64), "weights", rel(weights[same], w64[same]), "tokens routed differently", (~same).sum().item())
+    assert rel(probs, p64) < 1e-5 and rel(weights[same], w64[same]) < 1e-5
+    assert (~same).sum() <= 10 and (gap[~same] < 1e-5).all()             # only tokens tied to 1e-5
+
+def test_capacity_plan_kernel_moe4b_shape():
+    torch.manual_seed(2)
+    experts = torch.stack([torch.randperm(8, device="cuda")[:2] for _ in range(64)]).repeat(256, 1)   # 16,384 tokens
+    experts[:3000, 0] = 5                                                 # expert 5 overflows, the others leave slots
+    for cf in (1.0, 0.8):
+        got, want = moe.capacity_plan(experts, 8, cf), moe.capacity_plan_reference(experts, 8, cf)
+        for field in ("row_token", "row_assignment", "assignment_rows", "group_starts", "group_ends"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), (cf, field)
+        print(cf, "dropped", got.dropped_fraction.item())
+        assert abs(got.dropped_fraction.item() - want.dropped_fraction.item()) < 1e-6 and got.dropped_fraction > 0
+
 def test_library_support_on_hopper():
     support = library_support("cuda")
     print(torch.__version__, torch.cuda.get_device_capability(), support)
