@@ -6,23 +6,23 @@ Docs: https://example.invalid/rtrainer/rtrainer/moe.html.md"""
 
 # %% auto #0
 __all__ = ['GROUPED_GEMM_BLOCK_M', 'ROW_BLOCK', 'TMA_WGRAD_CONFIG', 'INTERPRET_TMA_WGRAD_CONFIG', 'TMA_ALIGNMENT',
-           'TMA_WGRAD_LAUNCH', 'GATHER_TILE', 'COMBINE_ROUTER_TILE', 'ROUTER_BLOCK_ROWS', 'ROUTER_BLOCK_COLS',
-           'ROUTER_CHUNK_ROWS', 'EXPERT_GEMM', 'EXPERT_WEIGHT_GRAD', 'EXPERT_BACKENDS', 'MOE_KNOBS',
-           'CAPACITY_PLAN_BLOCK', 'BENCHMARK_ARMS', 'COMPILE_MODES', 'RouterLogits', 'route_tokens',
-           'load_balance_loss', 'load_balance_weight', 'expert_capacity', 'capacity_slots', 'expert_swiglu_reference',
-           'capacity_moe_reference', 'dropless_moe_reference', 'grouped_gemm_kernel', 'grouped_gemm_weight_grad_kernel',
-           'grouped_gemm_triton', 'pointer_weight_grad_triton', 'grouped_gemm_reference', 'tma_weight_grad_kernel',
-           'tma_weight_grad_applies', 'tma_weight_grad_triton', 'grouped_gemm_weight_grad_triton', 'gather_rows_kernel',
-           'combine_rows_kernel', 'gather_rows_triton', 'combine_rows_triton', 'router_logits_kernel',
-           'router_grad_w_kernel', 'router_backward_kernel', 'router_logits_triton', 'route_tokens_triton',
-           'router_backward_triton', 'router_weight_grad_triton', 'router_parity_errors', 'library_support',
-           'ExpertBackends', 'expert_backends', 'grouped_gemm_library', 'grouped_gemm_weight_grad_library',
-           'grouped_gemm_per_expert', 'grouped_gemm_weight_grad_per_expert', 'RoutingPlan', 'capacity_plan_kernel',
-           'capacity_plan_reference', 'capacity_plan', 'dropless_plan', 'host_group_bounds',
-           'routed_swiglu_backward_kernel', 'routed_swiglu_backward', 'MoeExperts', 'moe_experts_triton', 'MoeRouted',
-           'MoeFeedForward', 'moe_parameter_count', 'naive_moe_loop', 'check_moe_against_loop',
-           'compare_triton_to_torch', 'check_empty_expert', 'saved_tensor_bytes', 'expert_saved_bytes',
-           'accumulation_gradients', 'benchmark_arms', 'benchmark_suite']
+           'TMA_WGRAD_LAUNCH', 'COMBINE_ROUTER_TILE', 'ROUTER_BLOCK_ROWS', 'ROUTER_BLOCK_COLS', 'ROUTER_CHUNK_ROWS',
+           'EXPERT_GEMM', 'EXPERT_WEIGHT_GRAD', 'EXPERT_BACKENDS', 'MOE_KNOBS', 'CAPACITY_PLAN_BLOCK', 'BENCHMARK_ARMS',
+           'COMPILE_MODES', 'RouterLogits', 'route_tokens', 'load_balance_loss', 'load_balance_weight',
+           'expert_capacity', 'capacity_slots', 'expert_swiglu_reference', 'capacity_moe_reference',
+           'dropless_moe_reference', 'grouped_gemm_kernel', 'grouped_gemm_weight_grad_kernel', 'grouped_gemm_triton',
+           'pointer_weight_grad_triton', 'grouped_gemm_reference', 'tma_weight_grad_kernel', 'tma_weight_grad_applies',
+           'tma_weight_grad_triton', 'grouped_gemm_weight_grad_triton', 'gather_rows_kernel', 'combine_rows_kernel',
+           'gather_rows_triton', 'combine_rows_triton', 'router_logits_kernel', 'router_grad_w_kernel',
+           'router_backward_kernel', 'router_logits_triton', 'route_tokens_triton', 'router_backward_triton',
+           'router_weight_grad_triton', 'router_parity_errors', 'library_support', 'ExpertBackends', 'expert_backends',
+           'grouped_gemm_library', 'grouped_gemm_weight_grad_library', 'grouped_gemm_per_expert',
+           'grouped_gemm_weight_grad_per_expert', 'RoutingPlan', 'capacity_plan_kernel', 'capacity_plan_reference',
+           'capacity_plan', 'dropless_plan', 'host_group_bounds', 'routed_swiglu_backward_kernel',
+           'routed_swiglu_backward', 'MoeExperts', 'moe_experts_triton', 'MoeRouted', 'MoeFeedForward',
+           'moe_parameter_count', 'naive_moe_loop', 'check_moe_against_loop', 'compare_triton_to_torch',
+           'check_empty_expert', 'saved_tensor_bytes', 'expert_saved_bytes', 'accumulation_gradients', 'benchmark_arms',
+           'benchmark_suite']
 
 # %% ../nbs/03_moe.ipynb #d120d79d
 import functools, math, os, sys, time
@@ -361,18 +361,18 @@ def gather_rows_kernel(
     src_ptr,        # (S, D) source rows
     index_ptr,      # (R,) int source row of each output row, -1 -> zero row
     out_ptr,        # (R, D) output
-    R, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    D, BLOCK_D: tl.constexpr,
 ):
-    # read and write BLOCK_R*D per program
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    index = tl.load(index_ptr + r, mask=r < R, other=-1).to(tl.int64)
-    valid = index >= 0                              # an invalid index reads nothing (a zero row)
-    src_rows = src_ptr + tl.where(valid, index, 0) * D
-    out_rows = out_ptr + r.to(tl.int64) * D
+    # read D, write D per program
+    r = tl.program_id(0).to(tl.int64)
+    index = tl.load(index_ptr + r).to(tl.int64)
+    valid = index >= 0
+    src_row = src_ptr + tl.where(valid, index, 0) * D
+    src_limit = tl.where(valid, D, 0)              # an invalid index reads nothing (a zero row)
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
-        v = tl.load(src_rows[:, None] + cols[None, :], mask=valid[:, None] & (cols[None, :] < D), other=0.0)
-        tl.store(out_rows[:, None] + cols[None, :], v, mask=(r[:, None] < R) & (cols[None, :] < D))
+        v = tl.load(src_row + cols, mask=cols < src_limit, other=0.0)
+        tl.store(out_ptr + r * D + cols, v, mask=cols < D)
 
 @triton.jit
 def combine_rows_kernel(
@@ -403,15 +403,11 @@ def combine_rows_kernel(
     tl.store(out_ptr + t[:, None].to(tl.int64) * D + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(t[:, None] < N) & (cols[None, :] < D))
 
-GATHER_TILE = (1, 1024, 4)        # (rows, columns, warps) per gather program
-
 def gather_rows_triton(src, index):
     "out (R, D): out[r] = src[index[r]], a zero row where index[r] < 0."
     R, D = index.shape[0], src.shape[1]
     out = torch.empty(R, D, dtype=src.dtype, device=src.device)
-    block_r, block_d, warps = GATHER_TILE
-    gather_rows_kernel[(triton.cdiv(R, block_r),)](src, index, out, R, D, BLOCK_R=block_r,
-                                                   BLOCK_D=min(block_d, triton.next_power_of_2(D)), num_warps=warps)
+    gather_rows_kernel[(R,)](src, index, out, D, BLOCK_D=min(ROW_BLOCK, triton.next_power_of_2(D)))
     return out
 
 COMBINE_ROUTER_TILE = (32, 128)   # (tokens, columns) per program when the router's dx is added: its router tile serves 32 tokens

@@ -38,7 +38,6 @@ def router_sweep(x):
     g = torch.randn(N, 8, device="cuda")
     no_rows = torch.full((N, 1), -1, dtype=torch.int32, device="cuda")
     zero_row = torch.zeros(1, D, dtype=x.dtype, device="cuda")
-    gather_index = torch.randperm(2 * N, device="cuda").remainder(N).to(torch.int32)   # each token twice, shuffled
     logits = moe.RouterLogits.apply(xg, r)
     rows_out = [dict(arm="torch fp32 (RouterLogits)", fwd_ms=median_ms(lambda: moe.RouterLogits.apply(xg, r)),
                      bwd_ms=median_ms(lambda: torch.autograd.grad(logits, (xg, r), g, retain_graph=True)))]
@@ -47,23 +46,17 @@ def router_sweep(x):
         arms[f"triton rows {rows} cols {cols}"] = dict(ROUTER_BLOCK_ROWS=rows, ROUTER_BLOCK_COLS=cols)
     for tile in ((32, 128), (16, 256), (64, 64), (32, 256)):
         arms[f"dx tile {tile}"] = dict(COMBINE_ROUTER_TILE=tile)
-    for tile in ((1, 1024, 4), (1, 4096, 8), (1, 4096, 4), (2, 1024, 4), (4, 1024, 8), (2, 2048, 8), (4, 512, 4), (8, 512, 8)):
-        arms[f"gather tile {tile}"] = dict(GATHER_TILE=tile)
     for name, knobs in arms.items():
         with knob_values(moe, knobs):
             row = dict(arm=name, **{k: list(v) if isinstance(v, tuple) else v for k, v in knobs.items()})
-            if "GATHER_TILE" in knobs:                # the permute's gather at the layer's shape: x to 2N rows
-                row["gather_ms"] = median_ms(lambda: moe.gather_rows_triton(x, gather_index))
-                rows_out.append(row)
-                continue
             if "COMBINE_ROUTER_TILE" not in knobs:
                 row["fwd_ms"] = median_ms(lambda: moe.router_logits_triton(x, r.detach()))
                 row["drouter_ms"] = median_ms(lambda: moe.router_weight_grad_triton(x, g, r.detach()))
             row["dx_ms"] = median_ms(lambda: moe.combine_rows_triton(zero_row, no_rows, out_dtype=x.dtype, router_grad=(g, r.detach())))
         rows_out.append(row)
-    print(f"\n{'router':40s} {'fwd ms':>8s} {'bwd ms':>8s} {'drouter':>8s} {'dx':>8s} {'gather':>8s}")
+    print(f"\n{'router':40s} {'fwd ms':>8s} {'bwd ms':>8s} {'drouter':>8s} {'dx':>8s}")
     for row in rows_out:
-        print(f"{row['arm']:40s} " + " ".join(f"{row[k]:8.4f}" if k in row else f"{'':8s}" for k in ("fwd_ms", "bwd_ms", "drouter_ms", "dx_ms", "gather_ms")))
+        print(f"{row['arm']:40s} " + " ".join(f"{row[k]:8.4f}" if k in row else f"{'':8s}" for k in ("fwd_ms", "bwd_ms", "drouter_ms", "dx_ms")))
     return rows_out
 
 def main():
