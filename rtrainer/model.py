@@ -24,6 +24,11 @@ try:    # the Hopper attention kernels (02a) register themselves in attention.FA
 except ImportError as e:
     import warnings
     warnings.warn(f"rtrainer: the Hopper attention kernels are unavailable ({e}); the Triton kernels run")
+try:    # the Hopper MoE GEMM (03a) registers itself in moe.FAST_PATHS; without it cuBLAS's bmm runs
+    from rtrainer import moe_hopper
+except ImportError as e:
+    import warnings
+    warnings.warn(f"rtrainer: the Hopper MoE GEMM is unavailable ({e}); cuBLAS's bmm runs")
 
 # %% ../nbs/05_model.ipynb #a51bdb95
 def round_up(n, multiple): return (n + multiple - 1) // multiple * multiple

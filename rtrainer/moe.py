@@ -7,22 +7,22 @@ Docs: https://example.invalid/rtrainer/rtrainer/moe.html.md"""
 # %% auto #0
 __all__ = ['GROUPED_GEMM_BLOCK_M', 'ROW_BLOCK', 'TMA_WGRAD_CONFIG', 'INTERPRET_TMA_WGRAD_CONFIG', 'TMA_ALIGNMENT',
            'TMA_WGRAD_LAUNCH', 'COMBINE_ROUTER_TILE', 'ROUTER_BLOCK_ROWS', 'ROUTER_BLOCK_COLS', 'ROUTER_CHUNK_ROWS',
-           'EXPERT_GEMM', 'EXPERT_WEIGHT_GRAD', 'EXPERT_BACKENDS', 'MOE_KNOBS', 'CAPACITY_PLAN_BLOCK', 'BENCHMARK_ARMS',
-           'COMPILE_MODES', 'RouterLogits', 'route_tokens', 'load_balance_loss', 'load_balance_weight',
-           'expert_capacity', 'capacity_slots', 'expert_swiglu_reference', 'capacity_moe_reference',
-           'dropless_moe_reference', 'grouped_gemm_kernel', 'grouped_gemm_weight_grad_kernel', 'grouped_gemm_triton',
-           'pointer_weight_grad_triton', 'grouped_gemm_reference', 'tma_weight_grad_kernel', 'tma_weight_grad_applies',
-           'tma_weight_grad_triton', 'grouped_gemm_weight_grad_triton', 'gather_rows_kernel', 'combine_rows_kernel',
-           'gather_rows_triton', 'combine_rows_triton', 'router_logits_kernel', 'router_grad_w_kernel',
-           'router_backward_kernel', 'router_logits_triton', 'route_tokens_triton', 'router_backward_triton',
-           'router_weight_grad_triton', 'router_parity_errors', 'library_support', 'ExpertBackends', 'expert_backends',
-           'grouped_gemm_library', 'grouped_gemm_weight_grad_library', 'grouped_gemm_per_expert',
-           'grouped_gemm_weight_grad_per_expert', 'RoutingPlan', 'capacity_plan_kernel', 'capacity_plan_reference',
-           'capacity_plan', 'dropless_plan', 'host_group_bounds', 'routed_swiglu_backward_kernel',
-           'routed_swiglu_backward', 'MoeExperts', 'moe_experts_triton', 'MoeRouted', 'MoeFeedForward',
-           'moe_parameter_count', 'naive_moe_loop', 'check_moe_against_loop', 'compare_triton_to_torch',
-           'check_empty_expert', 'saved_tensor_bytes', 'expert_saved_bytes', 'accumulation_gradients', 'benchmark_arms',
-           'benchmark_suite']
+           'EXPERT_GEMM', 'EXPERT_WEIGHT_GRAD', 'EXPERT_BACKENDS', 'MOE_KNOBS', 'FAST_PATHS', 'FAST_GEMM',
+           'CAPACITY_PLAN_BLOCK', 'BENCHMARK_ARMS', 'COMPILE_MODES', 'RouterLogits', 'route_tokens',
+           'load_balance_loss', 'load_balance_weight', 'expert_capacity', 'capacity_slots', 'expert_swiglu_reference',
+           'capacity_moe_reference', 'dropless_moe_reference', 'grouped_gemm_kernel', 'grouped_gemm_weight_grad_kernel',
+           'grouped_gemm_triton', 'pointer_weight_grad_triton', 'grouped_gemm_reference', 'tma_weight_grad_kernel',
+           'tma_weight_grad_applies', 'tma_weight_grad_triton', 'grouped_gemm_weight_grad_triton', 'gather_rows_kernel',
+           'combine_rows_kernel', 'gather_rows_triton', 'combine_rows_triton', 'router_logits_kernel',
+           'router_grad_w_kernel', 'router_backward_kernel', 'router_logits_triton', 'route_tokens_triton',
+           'router_backward_triton', 'router_weight_grad_triton', 'router_parity_errors', 'library_support',
+           'ExpertBackends', 'expert_backends', 'grouped_gemm_library', 'grouped_gemm_weight_grad_library',
+           'grouped_gemm_per_expert', 'grouped_gemm_weight_grad_per_expert', 'RoutingPlan', 'capacity_plan_kernel',
+           'capacity_plan_reference', 'capacity_plan', 'dropless_plan', 'host_group_bounds',
+           'routed_swiglu_backward_kernel', 'routed_swiglu_backward', 'MoeExperts', 'moe_experts_triton', 'MoeRouted',
+           'MoeFeedForward', 'moe_parameter_count', 'naive_moe_loop', 'check_moe_against_loop',
+           'compare_triton_to_torch', 'check_empty_expert', 'saved_tensor_bytes', 'expert_saved_bytes',
+           'accumulation_gradients', 'benchmark_arms', 'benchmark_suite']
 
 # %% ../nbs/03_moe.ipynb #d120d79d
 import functools, math, os, sys, time
@@ -655,8 +655,17 @@ def expert_backends(dtype, device, uniform_groups, strides_aligned=True):
     else: note = f"{op} in {str(dtype).removeprefix('torch.')}, added to fp32 main_grad (fp32 output refused: {fp32_why_not})"
     return ExpertBackends(gemm, weight_grad, note)
 
+# A faster kernel for capacity groups, registered by a later module (rtrainer.moe_hopper on import): 'grouped_gemm' is
+# fn(rows, weight, capacity) returning rows @ weight[g] per group of `capacity` rows, or None where it does not take
+# the inputs (then bmm runs). FAST_GEMM = False keeps bmm (a knob: the benchmark's cuBLAS arm).
+FAST_PATHS = {}
+FAST_GEMM = True
+
 def grouped_gemm_library(rows, weight, group_starts, group_ends, capacity=0):
-    "rows @ weight[g] per group with PyTorch's kernels: bmm when every group is `capacity` rows, else _grouped_mm; (R, N)."
+    """rows @ weight[g] per group with PyTorch's kernels: bmm when every group is `capacity` rows (or the registered fast
+    path, where it takes them), else _grouped_mm; (R, N)."""
+    if capacity and FAST_GEMM and (fast := FAST_PATHS.get("grouped_gemm")) and (out := fast(rows, weight, capacity)) is not None:
+        return out
     if capacity:
         E, K, N = weight.shape
         return torch.bmm(rows.view(E, capacity, K), weight).view(E * capacity, N)   # (E, C, K) @ (E, K, N)
@@ -1146,6 +1155,7 @@ BENCHMARK_ARMS = {   # arm: (dispatch, impl, knobs); the first arm is compiled, 
     "triton capacity": ("capacity", "triton", {"EXPERT_GEMM": "triton", "EXPERT_WEIGHT_GRAD": "triton"}),
     "triton dropless": ("dropless", "triton", {"EXPERT_GEMM": "triton", "EXPERT_WEIGHT_GRAD": "triton"}),
     "library capacity": ("capacity", "triton", {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "auto"}),
+    "library capacity, bmm only": ("capacity", "triton", {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "auto", "FAST_GEMM": False}),
     "library dropless": ("dropless", "triton", {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "auto"}),
     "library dropless, grouped_mm weight grad": ("dropless", "triton", {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "library"}),
     "per-expert dropless": ("dropless", "triton", {"EXPERT_GEMM": "per_expert", "EXPERT_WEIGHT_GRAD": "per_expert"}),
@@ -1224,7 +1234,9 @@ def benchmark_suite(quick=False, rounds=5):
                          speedup_ci95=(high - low) / 2 if low is not None else None,
                          speedup_ci95_low=low, speedup_ci95_high=high, first_call_s=first_call_s[name],
                          peak_step_gib=peaks[name] / 2**30, saved_gib=saved_bytes[name] / 2**30 if name in saved_bytes else None,
-                         dispatch=dispatch, gemm=backends.gemm if backends else impl, weight_grad=backends.weight_grad if backends else impl,
+                         dispatch=dispatch, gemm=backends.gemm if backends else impl,
+                         fast_gemm=bool(backends and backends.gemm == "library" and dispatch == "capacity" and FAST_PATHS
+                                        and knobs.get("FAST_GEMM", FAST_GEMM)), weight_grad=backends.weight_grad if backends else impl,
                          weight_grad_note=backends.weight_grad_note if backends else "autograd, bf16",
                          tokens=N, d_model=D, expert_d_ff=FF, experts=E, top_k=k))
     by_arm = {r["arm"]: r for r in rows}

@@ -38,7 +38,7 @@ for s in "$@"; do case $s in
   attention-quick) stage bench_attention_quick 90 $PY -c "from rtrainer.attention import benchmark_suite; benchmark_suite(quick=True)" ;;
   attention) stage bench_attention 180 $PY -c "from rtrainer.attention import benchmark_suite; benchmark_suite()" ;;
   matmul)    stage bench_matmul 150 $PY -c "from rtrainer.matmul import benchmark_suite; benchmark_suite(quick=True)" ;;
-  moe)       stage bench_moe ${MOE_LIMIT:-300} $PY -c "from rtrainer.moe import benchmark_suite; benchmark_suite(rounds=3)" ;;
+  moe)       stage bench_moe ${MOE_LIMIT:-300} $PY -c "from rtrainer import moe_hopper; from rtrainer.moe import benchmark_suite; benchmark_suite(rounds=3)" ;;   # with the Hopper GEMM (03a) registered
   optimizer) stage bench_optimizer 90 $PY -c "from rtrainer.optimizer import benchmark_suite; benchmark_suite(quick=True)" ;;
   profile)   stage profile 100 $PY -m rtrainer profile --config prof183m --batch-size 32 ;;
   versus-*)  c=${s#versus-}; stage "versus_$c" "${VERSUS_LIMIT:-220}" $PY -m rtrainer versus --config "$c" --tiers "${TIERS:-default}" --rounds "${ROUNDS:-2}" --steps ${VSTEPS:-4} --warmup ${VWARMUP:-3} --timeout ${ARM_TIMEOUT:-300} ${VGRAPH:+--cuda-graph} ;;   # VGRAPH=1: also the trainer with --cuda-graph, leading

@@ -9,6 +9,7 @@ from collections import defaultdict
 import torch
 from rtrainer.kernels import knob_values, median_ms
 from rtrainer import moe
+from rtrainer import moe_hopper      # registers the Hopper GEMM (03a) for capacity groups; the "bmm only" arm turns it off
 
 STEPS = 5
 
@@ -66,7 +67,7 @@ def main():
     x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16).requires_grad_()
     grad_y = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
     out = {"step_ms": {}}
-    for arm in ("library capacity", "torch.compile capacity", "library dropless", "per-expert dropless"):
+    for arm in ("library capacity", "library capacity, bmm only", "torch.compile capacity", "library dropless", "per-expert dropless"):
         dispatch, impl, knobs = moe.BENCHMARK_ARMS[arm]
         layer = moe.MoeFeedForward(D, FF, E, k, dispatch=dispatch, impl=impl, dtype=torch.bfloat16, device="cuda")
         module = torch.compile(layer) if arm.startswith("torch.compile") else layer

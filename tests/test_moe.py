@@ -573,6 +573,6 @@ def test_triton_layer_refuses_float64():
 
 def test_benchmark_arms_quick_leaves_out_max_autotune_only():
     full, quick = moe.benchmark_arms(), moe.benchmark_arms(quick=True)
-    assert list(full) == list(moe.BENCHMARK_ARMS) and len(full) == 9
+    assert list(full) == list(moe.BENCHMARK_ARMS) and len(full) == 10
     assert [n for n in full if n not in quick] == ["torch.compile max-autotune capacity"]
     assert next(iter(quick)) == "torch.compile capacity" and moe.COMPILE_MODES["torch.compile capacity"] == "default"

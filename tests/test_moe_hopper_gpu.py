@@ -1,0 +1,70 @@
+"GPU checks of the Hopper MoE GEMM (03a): the Gluon grouped GEMM against float64, its SwiGLU epilogue, the bf16 capacity layer that takes it."
+import pytest, torch
+if not torch.cuda.is_available(): pytest.skip("needs a CUDA GPU", allow_module_level=True)
+if torch.cuda.get_device_capability()[0] != 9: pytest.skip("the Gluon kernel is for Hopper (sm_90)", allow_module_level=True)
+import rtrainer.moe as moe
+from rtrainer import moe_hopper
+from rtrainer.moe import MoeFeedForward
+from rtrainer.kernels import start_gradient_step, gradient_fp32, knob_values
+
+pytestmark = pytest.mark.cuda
+
+def rel(a, b): return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("E,C,K,N", [(3, 256, 192, 512), (1, 128, 64, 256), (8, 384, 320, 768)])
+def test_hopper_grouped_gemm_matches_float64(E, C, K, N, transposed):
+    torch.manual_seed(E + K)
+    rows = torch.randn(E * C, K, device="cuda").bfloat16()
+    weight = (torch.randn(E, N, K, device="cuda").transpose(1, 2) if transposed else torch.randn(E, K, N, device="cuda")).bfloat16() / K ** 0.5
+    assert moe_hopper.hopper_gemm_refusal(rows, weight, C) is None
+    out = torch.full((E * C, N), float("nan"), device="cuda", dtype=torch.bfloat16)    # every element must be written
+    moe_hopper.hopper_grouped_gemm(rows, weight, out=out)
+    want = torch.cat([rows[e * C:(e + 1) * C].double() @ weight[e].double() for e in range(E)])
+    print(E, C, K, N, transposed, rel(out, want))
+    assert not out.isnan().any() and rel(out, want) < 5e-3
+
+def test_hopper_swiglu_epilogue():
+    torch.manual_seed(9)
+    E, C, K, FF = 2, 256, 128, 256
+    rows = torch.randn(E * C, K, device="cuda").bfloat16()
+    gate_up = (torch.randn(E, K, 2 * FF, device="cuda") / K ** 0.5).bfloat16()
+    hidden, act = moe_hopper.hopper_grouped_gemm(rows, moe_hopper.interleave_gate_up(gate_up), config=(128, 128, 64, 4, 8), swiglu=True)
+    want = torch.cat([rows[e * C:(e + 1) * C].double() @ gate_up[e].double() for e in range(E)])
+    pairs = hidden.double().view(E * C, FF, 2)
+    assert rel(pairs[..., 0], want[:, :FF]) < 5e-3 and rel(pairs[..., 1], want[:, FF:]) < 5e-3
+    assert rel(act, torch.nn.functional.silu(pairs[..., 0]) * pairs[..., 1]) < 5e-3     # of the written bf16 pair
+
+def test_hopper_refusals():
+    rows, weight = torch.zeros(2 * 128, 64, device="cuda", dtype=torch.bfloat16), torch.zeros(2, 64, 256, device="cuda", dtype=torch.bfloat16)
+    assert moe_hopper.hopper_gemm_refusal(rows, weight, 128) is None
+    assert "bf16" in moe_hopper.hopper_gemm_refusal(rows.float(), weight, 128)
+    assert "off the" in moe_hopper.hopper_gemm_refusal(rows[:200], weight, 100)
+    assert "off the" in moe_hopper.hopper_gemm_refusal(rows, weight[:, :, :200], 128)
+    assert "neither" in moe_hopper.hopper_gemm_refusal(rows, torch.zeros(2, 64, 512, device="cuda", dtype=torch.bfloat16)[:, :, ::2], 128)
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_bf16_capacity_layer_takes_the_hopper_gemm(fast):
+    "4,096 tokens, top-2 of 8 experts (capacity 1,024): the two forward and two input-gradient products take the kernel."
+    torch.manual_seed(1)
+    N, D, FF, E, k = 4096, 512, 512, 8, 2
+    layer = MoeFeedForward(D, FF, E, k, dispatch="capacity", impl="triton", dtype=torch.bfloat16, device="cuda")
+    oracle = MoeFeedForward(D, FF, E, k, dispatch="capacity", impl="torch", dtype=torch.float64, device="cuda")
+    with torch.no_grad():
+        layer.router.normal_(std=0.5)                                         # no near-ties (see test_moe_gpu.check_bf16_layer)
+        for p64, p in zip(oracle.parameters(), layer.parameters()): p64.copy_(p.double())
+    x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    x64 = x.detach().double().requires_grad_()
+    probe = torch.randn(N, D, device="cuda", dtype=torch.float64)
+    for p in layer.parameters(): p.main_grad = torch.full(p.shape, float("nan"), device="cuda")
+    start_gradient_step(layer.parameters())
+    before = sum(moe_hopper.CALLS.values())
+    with knob_values(moe, {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "library", "FAST_GEMM": fast}):
+        y = layer(x); ((y.double() * probe).sum() + 0.37 * layer.last_stats["load_balance_loss"].double()).backward()
+    assert sum(moe_hopper.CALLS.values()) - before == (4 if fast else 0)
+    y64 = oracle(x64); ((y64 * probe).sum() + 0.37 * oracle.last_stats["load_balance_loss"]).backward()
+    assert torch.equal(layer.last_stats["expert_load"], oracle.last_stats["expert_load"].float())
+    errors = dict(y=rel(y, y64), x=rel(x.grad, x64.grad),
+                  **{n: rel(gradient_fp32(p), p64.grad) for (n, p), p64 in zip(layer.named_parameters(), oracle.parameters())})
+    print(fast, errors)
+    assert errors["y"] < 1e-2 and max(errors.values()) < 3e-2, errors
