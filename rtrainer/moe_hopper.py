@@ -134,9 +134,13 @@ def _desc(t, block_shape): return TensorDescriptor(t, list(t.shape), list(t.stri
 def _is_sm90(index): return torch.cuda.get_device_capability(index)[0] == 9
 
 def hopper_gemm_refusal(rows, weight, capacity, config=GEMM_CONFIG):
-    "Why hopper_grouped_gemm does not take rows (E*C, K) @ weight (E, K, N) per group of `capacity` rows (a short reason), or None."
-    block_m, block_n, block_k = config[:3]
+    "Why the layer does not hand rows (E*C, K) @ weight (E, K, N) per group of `capacity` rows to the kernel (a short reason), or None."
     if not ENABLED: return "disabled (RTRAINER_HOPPER_MOE=0)"
+    return _kernel_refusal(rows, weight, capacity, config)
+
+def _kernel_refusal(rows, weight, capacity, config):
+    "Why the kernel cannot run these operands, or None."
+    block_m, block_n, block_k = config[:3]
     if not rows.is_cuda: return "not on a CUDA device"
     if INTERPRETING: return "Triton's interpreter"
     if rows.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16: return f"{rows.dtype} rows, {weight.dtype} weight, not bf16"
@@ -155,6 +159,7 @@ def hopper_grouped_gemm(rows, weight, config=GEMM_CONFIG, swiglu=False, out=None
     act = silu(gate) * up of each pair."""
     block_m, block_n, block_k, stages, group_m = config
     (R, K), (E, _, N) = rows.shape, weight.shape
+    if (why := _kernel_refusal(rows, weight, R // E, config)): raise ValueError(f"hopper_grouped_gemm: {why}")
     trans_b = not weight.is_contiguous()
     out = torch.empty(R, N, dtype=rows.dtype, device=rows.device) if out is None else out
     act = torch.empty(R, N // 2, dtype=rows.dtype, device=rows.device) if swiglu else None
