@@ -9,7 +9,7 @@ __all__ = ['GEMM_CONFIG', 'LOADER_REGS', 'CONSUMER_REGS', 'ENABLED', 'CALLS', 'g
            'hopper_grouped_gemm', 'interleave_gate_up']
 
 # %% ../nbs/03a_moe_hopper.ipynb #18817efd
-import collections, functools, os
+import collections, os
 import torch
 import triton
 from triton.experimental import gluon
@@ -18,6 +18,7 @@ from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, fenc
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .kernels import INTERPRETING, load_results
 from .moe import FAST_PATHS
+from .attention_hopper import _block_layout, _is_sm90, _sm_count   # 02a's device facts and tile layouts, cached
 
 # %% ../nbs/03a_moe_hopper.ipynb #b768dfaf
 GEMM_CONFIG = (128, 256, 64, 3, 8)   # (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M), measured on an H200 (below)
@@ -125,13 +126,9 @@ def gluon_grouped_gemm_kernel(a_desc, b_desc, c_desc, act_desc, n_tiles, tiles_m
 ENABLED = os.environ.get("RTRAINER_HOPPER_MOE", "1") != "0"
 CALLS = collections.Counter()        # products that took the Hopper kernel, normal and transposed weights (tests check it ran)
 
-@functools.lru_cache
-def _layout(block_shape): return gl.NVMMASharedLayout.get_default_for(list(block_shape), gl.bfloat16)
-
-def _desc(t, block_shape): return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block_shape), _layout(tuple(block_shape)))
-
-@functools.lru_cache
-def _is_sm90(index): return torch.cuda.get_device_capability(index)[0] == 9
+def _desc(t, rows, cols):
+    "2-D TMA descriptor over t in blocks of (rows, cols)."
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, cols], _block_layout(rows, cols))
 
 def hopper_gemm_refusal(rows, weight, capacity, config=GEMM_CONFIG):
     "Why the layer does not hand rows (E*C, K) @ weight (E, K, N) per group of `capacity` rows to the kernel (a short reason), or None."
@@ -157,20 +154,23 @@ def hopper_grouped_gemm(rows, weight, config=GEMM_CONFIG, swiglu=False, out=None
     """(out (E*C, N), act (E*C, N/2) or None): rows (E*C, K) @ weight[e] (E, K, N) per group of C rows, bf16; weight
     contiguous or the transpose of a contiguous (E, N, K). With swiglu, weight's columns are (gate, up) pairs and
     act = silu(gate) * up of each pair."""
+    if (why := _kernel_refusal(rows, weight, rows.shape[0] // weight.shape[0], config)): raise ValueError(f"hopper_grouped_gemm: {why}")
+    return _launch(rows, weight, config, swiglu, out)
+
+def _launch(rows, weight, config, swiglu, out):
+    "hopper_grouped_gemm on operands already checked."
     block_m, block_n, block_k, stages, group_m = config
     (R, K), (E, _, N) = rows.shape, weight.shape
-    if (why := _kernel_refusal(rows, weight, R // E, config)): raise ValueError(f"hopper_grouped_gemm: {why}")
     trans_b = not weight.is_contiguous()
     out = torch.empty(R, N, dtype=rows.dtype, device=rows.device) if out is None else out
     act = torch.empty(R, N // 2, dtype=rows.dtype, device=rows.device) if swiglu else None
     tiles_m, tiles_n = R // E // block_m, N // block_n
     n_tiles = E * tiles_m * tiles_n
-    programs = min(n_tiles, torch.cuda.get_device_properties(rows.device).multi_processor_count)
-    b_desc = (_desc(weight.transpose(1, 2).reshape(E * N, K), (block_n, block_k)) if trans_b
-              else _desc(weight.reshape(E * K, N), (block_k, block_n)))
-    gluon_grouped_gemm_kernel[(programs,)](
-        _desc(rows, (block_m, block_k)), b_desc, _desc(out, (block_m // 2, block_n)),
-        _desc(act if swiglu else out, (block_m // 2, block_n // 2)),          # not written without swiglu
+    b_desc = (_desc(weight.transpose(1, 2).reshape(E * N, K), block_n, block_k) if trans_b
+              else _desc(weight.reshape(E * K, N), block_k, block_n))
+    gluon_grouped_gemm_kernel[(min(n_tiles, _sm_count(rows.device.index)),)](
+        _desc(rows, block_m, block_k), b_desc, _desc(out, block_m // 2, block_n),
+        _desc(act if swiglu else out, block_m // 2, block_n // 2),            # not written without swiglu
         n_tiles, tiles_m, tiles_n, K, N, R // E, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
         GROUP_M=group_m, SWIGLU=swiglu, TRANS_B=trans_b, REGS=CONSUMER_REGS, num_warps=4)
     return out, act
@@ -183,6 +183,6 @@ def interleave_gate_up(w):
 def _fast_grouped_gemm(rows, weight, capacity):
     if hopper_gemm_refusal(rows, weight, capacity): return None
     CALLS["transposed" if not weight.is_contiguous() else "plain"] += 1
-    return hopper_grouped_gemm(rows, weight)[0]
+    return _launch(rows, weight, GEMM_CONFIG, False, None)[0]                # checked once, by the refusal
 
 FAST_PATHS.update(grouped_gemm=_fast_grouped_gemm)

@@ -371,21 +371,11 @@ def gluon_dq(do, q, k, v, o, lse, variant=0):
 
 def _compile_sm90(kernel, consts, descs, warps):
     "Compile a Gluon kernel for sm_90 without a GPU: (ptxas's register / spill line, shared memory, PTX)."
-    import inspect
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    params = list(inspect.signature(kernel.fn).parameters)
-    kinds = dict(Q="*bf16", O="*bf16", DO="*bf16", DQ="*bf16", DK="*bf16", DV="*bf16", LSE="*fp32", DELTA="*fp32",
+    from sm90_compile import compile_gluon_sm90
+    types = dict(Q="*bf16", O="*bf16", DO="*bf16", DQ="*bf16", DK="*bf16", DV="*bf16", LSE="*fp32", DELTA="*fp32",
                  scale_log2="fp32", sm_scale="fp32")
-    sig = {p: "constexpr" if p in consts else
-           f"tensordesc<bf16[{descs[p][0]}, {descs[p][1]}],{_layout(list(descs[p]))!r}>" if p in descs else kinds.get(p, "i32")
-           for p in params}
-    src = GluonASTSource(kernel, sig, constexprs={(params.index(n),): c for n, c in consts.items()})
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
-    from sm90_compile import ptxas_usage
-    ptx = c.asm["ptx"]
-    registers, spilled = ptxas_usage(ptx)
-    return f"{registers} registers, spills {spilled} bytes", c.metadata.shared, ptx
+    (registers, spilled), shared, ptx = compile_gluon_sm90(kernel, consts, descs, warps, types)
+    return f"{registers} registers, spills {spilled} bytes", shared, ptx
 
 def _waits(ptx):
     return re.findall(r"wgmma.wait_group.sync.aligned (\d+)", ptx)

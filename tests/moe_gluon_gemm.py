@@ -32,7 +32,7 @@ import json, os, re, subprocess, sys, time
 import torch
 import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from rtrainer.moe_hopper import gluon_grouped_gemm_kernel, hopper_grouped_gemm, interleave_gate_up, CONSUMER_REGS, _layout
+from rtrainer.moe_hopper import gluon_grouped_gemm_kernel, hopper_grouped_gemm, interleave_gate_up, CONSUMER_REGS
 
 E, C, D, FF = 8, 4096, 3072, 4096
 ROUNDS = 5
@@ -42,24 +42,16 @@ CONFIGS = [(128, 256, 64, 3, 8), (128, 128, 64, 5, 8), (128, 256, 64, 3, 16)]
 SWIGLU_CONFIGS = [(128, 128, 64, 4, 8), (128, 256, 64, 2, 8)]
 
 def _compile_sm90(config, swiglu, trans_b=False):
-    "Compile for sm_90 without a GPU: (registers / spills, shared memory bytes)."
-    import inspect
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    "Compile for sm_90 without a GPU: ((registers, spills), shared memory bytes)."
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from sm90_compile import ptxas_usage
+    from sm90_compile import compile_gluon_sm90
     block_m, block_n, block_k, stages, group_m = config
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, GROUP_M=group_m, SWIGLU=swiglu,
                   TRANS_B=trans_b, REGS=CONSUMER_REGS, num_warps=4)
-    blocks = dict(a_desc=[block_m, block_k], b_desc=[block_n, block_k] if trans_b else [block_k, block_n], c_desc=[block_m // 2, block_n],
-                  act_desc=[block_m // 2, block_n // 2])
-    kernel = gluon_grouped_gemm_kernel
-    params = list(inspect.signature(kernel.fn).parameters)
-    sig = {p: "constexpr" if p in consts else f"tensordesc<bf16[{blocks[p][0]}, {blocks[p][1]}],{_layout(tuple(blocks[p]))!r}>" if p in blocks else "i32"
-           for p in params}
-    src = GluonASTSource(kernel, sig, constexprs={(params.index(n),): c for n, c in consts.items()})
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1))
-    return ptxas_usage(c.asm["ptx"]), c.metadata.shared
+    descs = dict(a_desc=(block_m, block_k), b_desc=(block_n, block_k) if trans_b else (block_k, block_n),
+                 c_desc=(block_m // 2, block_n), act_desc=(block_m // 2, block_n // 2))
+    usage, shared, _ = compile_gluon_sm90(gluon_grouped_gemm_kernel, consts, descs, warps=4)
+    return usage, shared
 
 def compile_check():
     for swiglu, trans_b, configs in ((False, False, CONFIGS), (True, False, SWIGLU_CONFIGS), (False, True, CONFIGS)):

@@ -1,7 +1,8 @@
 """Compiling kernels for sm_90 on a machine without a GPU, for the experiment scripts' compile checks
 (`attention_variants.py --compile-check`, `attention_ahead.py --inspect`, `attention_gluon.py --compile`,
 `moe_gemm_variants.py --compile`): Triton's compiler for one kernel at one config, and what ptxas says of the PTX.
-Run them under the Triton of the GPU machine (3.6) for numbers that match it."""
+`compile_gluon_sm90` does the same for a Gluon kernel. Run them under the Triton of the GPU machine (3.6) for numbers
+that match it."""
 import inspect, os, re, subprocess, tempfile
 import triton
 
@@ -25,3 +26,20 @@ def ptxas_usage(ptx):
                              capture_output=True, text=True).stderr
     registers, spilled = re.search(r"Used (\d+) registers", out), re.search(r"(\d+) bytes spill stores", out)
     return (int(registers.group(1)) if registers else None), (int(spilled.group(1)) if spilled else None)
+
+def compile_gluon_sm90(kernel, constexprs, descs, warps, types=None):
+    """A Gluon kernel compiled for sm_90 without a GPU: ((registers, spilled bytes), shared memory bytes, PTX). `descs`
+    gives the (rows, cols) bf16 block of each tensor-descriptor parameter, `types` the type of each other parameter
+    that is not an i32 (e.g. {"LSE": "*fp32"})."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    params = list(inspect.signature(kernel.fn).parameters)
+    layout = lambda block: gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
+    sig = {p: "constexpr" if p in constexprs else
+           f"tensordesc<bf16[{descs[p][0]}, {descs[p][1]}],{layout(descs[p])!r}>" if p in descs else (types or {}).get(p, "i32")
+           for p in params}
+    src = GluonASTSource(kernel, sig, constexprs={(params.index(n),): v for n, v in constexprs.items()})
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
+    return ptxas_usage(c.asm["ptx"]), c.metadata.shared, c.asm["ptx"]
+
