@@ -8,7 +8,7 @@ Docs: https://example.invalid/rtrainer/rtrainer/moe.html.md"""
 __all__ = ['GROUPED_GEMM_BLOCK_M', 'ROW_BLOCK', 'TMA_WGRAD_CONFIG', 'INTERPRET_TMA_WGRAD_CONFIG', 'TMA_ALIGNMENT',
            'TMA_WGRAD_LAUNCH', 'COMBINE_ROUTER_TILE', 'ROUTER_BLOCK_ROWS', 'ROUTER_BLOCK_COLS', 'ROUTER_CHUNK_ROWS',
            'EXPERT_GEMM', 'EXPERT_WEIGHT_GRAD', 'EXPERT_BACKENDS', 'MOE_KNOBS', 'FAST_PATHS', 'FAST_GEMM',
-           'CAPACITY_PLAN_BLOCK', 'BENCHMARK_ARMS', 'COMPILE_MODES', 'RouterLogits', 'route_tokens',
+           'FAST_SWIGLU', 'CAPACITY_PLAN_BLOCK', 'BENCHMARK_ARMS', 'COMPILE_MODES', 'RouterLogits', 'route_tokens',
            'load_balance_loss', 'load_balance_weight', 'expert_capacity', 'capacity_slots', 'expert_swiglu_reference',
            'capacity_moe_reference', 'dropless_moe_reference', 'grouped_gemm_kernel', 'grouped_gemm_weight_grad_kernel',
            'grouped_gemm_triton', 'pointer_weight_grad_triton', 'grouped_gemm_reference', 'tma_weight_grad_kernel',
@@ -16,13 +16,13 @@ __all__ = ['GROUPED_GEMM_BLOCK_M', 'ROW_BLOCK', 'TMA_WGRAD_CONFIG', 'INTERPRET_T
            'combine_rows_kernel', 'gather_rows_triton', 'combine_rows_triton', 'router_logits_kernel',
            'router_grad_w_kernel', 'router_backward_kernel', 'router_logits_triton', 'route_tokens_triton',
            'router_backward_triton', 'router_weight_grad_triton', 'router_parity_errors', 'library_support',
-           'ExpertBackends', 'expert_backends', 'grouped_gemm_library', 'grouped_gemm_weight_grad_library',
-           'grouped_gemm_per_expert', 'grouped_gemm_weight_grad_per_expert', 'RoutingPlan', 'capacity_plan_kernel',
-           'capacity_plan_reference', 'capacity_plan', 'dropless_plan', 'host_group_bounds',
-           'routed_swiglu_backward_kernel', 'routed_swiglu_backward', 'MoeExperts', 'moe_experts_triton', 'MoeRouted',
-           'MoeFeedForward', 'moe_parameter_count', 'naive_moe_loop', 'check_moe_against_loop',
-           'compare_triton_to_torch', 'check_empty_expert', 'saved_tensor_bytes', 'expert_saved_bytes',
-           'accumulation_gradients', 'benchmark_arms', 'benchmark_suite']
+           'ExpertBackends', 'expert_backends', 'grouped_gemm_swiglu_fast', 'grouped_gemm_library',
+           'grouped_gemm_weight_grad_library', 'grouped_gemm_per_expert', 'grouped_gemm_weight_grad_per_expert',
+           'RoutingPlan', 'capacity_plan_kernel', 'capacity_plan_reference', 'capacity_plan', 'dropless_plan',
+           'host_group_bounds', 'routed_swiglu_backward_kernel', 'routed_swiglu_backward', 'MoeExperts',
+           'moe_experts_triton', 'MoeRouted', 'MoeFeedForward', 'moe_parameter_count', 'naive_moe_loop',
+           'check_moe_against_loop', 'compare_triton_to_torch', 'check_empty_expert', 'saved_tensor_bytes',
+           'expert_saved_bytes', 'accumulation_gradients', 'benchmark_arms', 'benchmark_suite']
 
 # %% ../nbs/03_moe.ipynb #d120d79d
 import functools, math, os, sys, time
@@ -451,7 +451,7 @@ def router_logits_kernel(x_ptr, w_ptr, out_ptr, experts_ptr, weights_ptr, N, D, 
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + cols[None, :],
                     mask=(rows[:, None] < N) & (cols[None, :] < D), other=0.0).to(tl.float32)
         w = tl.load(w_ptr + cols[:, None] * E + experts[None, :], mask=(cols[:, None] < D) & (experts[None, :] < E), other=0.0)
-        acc += tl.dot(x, w, input_precision="ieee")     # the chunk's fp32 sum (the form timed; no closer to float64 than one chain)
+        acc += tl.dot(x, w, input_precision="tf32x3")   # fp32-accurate on the tensor cores: three tf32 products of hi/lo parts
     is_expert = experts[None, :] < E
     out_mask = (rows[:, None] < N) & is_expert
     if TOP_K == 0:                                      # the logits alone
@@ -486,7 +486,7 @@ def router_grad_w_kernel(x_ptr, g_ptr, part_ptr, N, D, E, CHUNK_ROWS: tl.constex
         xT = tl.load(x_ptr + rows[None, :].to(tl.int64) * D + cols[:, None],
                      mask=(rows[None, :] < N) & (cols[:, None] < D), other=0.0).to(tl.float32)   # (BLOCK_COLS, BLOCK_ROWS)
         g = tl.load(g_ptr + rows[:, None] * E + experts[None, :], mask=(rows[:, None] < N) & (experts[None, :] < E), other=0.0)
-        acc = tl.dot(xT, g.to(tl.float32), acc, input_precision="ieee")
+        acc = tl.dot(xT, g.to(tl.float32), acc, input_precision="tf32x3")
     tl.store(part_ptr + (chunk * D + cols[:, None]).to(tl.int64) * E_PAD + experts[None, :], acc, mask=cols[:, None] < D)
 
 @triton.jit
@@ -655,11 +655,19 @@ def expert_backends(dtype, device, uniform_groups, strides_aligned=True):
     else: note = f"{op} in {str(dtype).removeprefix('torch.')}, added to fp32 main_grad (fp32 output refused: {fp32_why_not})"
     return ExpertBackends(gemm, weight_grad, note)
 
-# A faster kernel for capacity groups, registered by a later module (rtrainer.moe_hopper on import): 'grouped_gemm' is
-# fn(rows, weight, capacity) returning rows @ weight[g] per group of `capacity` rows, or None where it does not take
-# the inputs (then bmm runs). FAST_GEMM = False keeps bmm (a knob: the benchmark's cuBLAS arm).
+# Faster kernels for capacity groups, registered by a later module (rtrainer.moe_hopper on import): 'grouped_gemm' is
+# fn(rows, weight, capacity) returning rows @ weight[g] per group of `capacity` rows, 'grouped_gemm_swiglu' is
+# fn(rows, gate_up, capacity) returning (hidden, act) with the SwiGLU done in the GEMM's epilogue; either returns None
+# where it does not take the inputs (then bmm, and swiglu_forward, run). FAST_GEMM = False keeps bmm (a knob: the
+# benchmark's cuBLAS arm); FAST_SWIGLU = False keeps the fast GEMM but runs the SwiGLU as its own pass.
 FAST_PATHS = {}
 FAST_GEMM = True
+FAST_SWIGLU = True
+
+def grouped_gemm_swiglu_fast(rows, gate_up, capacity):
+    "(hidden (R, 2FF), act (R, FF)) from the registered GEMM with the SwiGLU in its epilogue, or None (no fast path, or refused)."
+    if capacity and FAST_GEMM and FAST_SWIGLU and (fast := FAST_PATHS.get("grouped_gemm_swiglu")): return fast(rows, gate_up, capacity)
+    return None
 
 def grouped_gemm_library(rows, weight, group_starts, group_ends, capacity=0):
     """rows @ weight[g] per group with PyTorch's kernels: bmm when every group is `capacity` rows (or the registered fast
@@ -875,8 +883,11 @@ def _experts_forward(ctx, x, weights, gate_up, down, plan, backends, block_m, wr
     ctx.group_bounds = bounds                                              # the backward reuses them: no second sync
     ctx.hidden_overwritten = False
     rows = gather_rows_triton(x, plan.row_token)                           # (R, D) token rows grouped by expert
-    hidden = _expert_gemm(rows, gate_up, plan, backends, block_m, bounds)  # (R, 2FF)
-    act = swiglu_forward(hidden)                                           # (R, FF)
+    fused = grouped_gemm_swiglu_fast(rows, gate_up, plan.capacity) if backends.gemm == "library" else None
+    if fused is not None: hidden, act = fused                              # the SwiGLU done in the GEMM's epilogue
+    else:
+        hidden = _expert_gemm(rows, gate_up, plan, backends, block_m, bounds)  # (R, 2FF)
+        act = swiglu_forward(hidden)                                       # (R, FF)
     expert_out = _expert_gemm(act, down, plan, backends, block_m, bounds)  # (R, D)
     return combine_rows_triton(expert_out, plan.assignment_rows, weights), rows, hidden   # y (N, D)
 
@@ -1156,6 +1167,7 @@ BENCHMARK_ARMS = {   # arm: (dispatch, impl, knobs); the first arm is compiled, 
     "triton dropless": ("dropless", "triton", {"EXPERT_GEMM": "triton", "EXPERT_WEIGHT_GRAD": "triton"}),
     "library capacity": ("capacity", "triton", {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "auto"}),
     "library capacity, bmm only": ("capacity", "triton", {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "auto", "FAST_GEMM": False}),
+    "library capacity, separate SwiGLU": ("capacity", "triton", {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "auto", "FAST_SWIGLU": False}),
     "library dropless": ("dropless", "triton", {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "auto"}),
     "library dropless, grouped_mm weight grad": ("dropless", "triton", {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "library"}),
     "per-expert dropless": ("dropless", "triton", {"EXPERT_GEMM": "per_expert", "EXPERT_WEIGHT_GRAD": "per_expert"}),
@@ -1236,7 +1248,10 @@ def benchmark_suite(quick=False, rounds=5):
                          peak_step_gib=peaks[name] / 2**30, saved_gib=saved_bytes[name] / 2**30 if name in saved_bytes else None,
                          dispatch=dispatch, gemm=backends.gemm if backends else impl,
                          fast_gemm=bool(backends and backends.gemm == "library" and dispatch == "capacity" and FAST_PATHS
-                                        and knobs.get("FAST_GEMM", FAST_GEMM)), weight_grad=backends.weight_grad if backends else impl,
+                                        and knobs.get("FAST_GEMM", FAST_GEMM)),
+                         fast_swiglu=bool(backends and backends.gemm == "library" and dispatch == "capacity"
+                                          and "grouped_gemm_swiglu" in FAST_PATHS and knobs.get("FAST_GEMM", FAST_GEMM)
+                                          and knobs.get("FAST_SWIGLU", FAST_SWIGLU)), weight_grad=backends.weight_grad if backends else impl,
                          weight_grad_note=backends.weight_grad_note if backends else "autograd, bf16",
                          tokens=N, d_model=D, expert_d_ff=FF, experts=E, top_k=k))
     by_arm = {r["arm"]: r for r in rows}

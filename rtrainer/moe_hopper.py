@@ -6,7 +6,7 @@ Docs: https://example.invalid/rtrainer/rtrainer/moe_hopper.html.md"""
 
 # %% auto #0
 __all__ = ['GEMM_CONFIG', 'LOADER_REGS', 'CONSUMER_REGS', 'ENABLED', 'CALLS', 'gluon_grouped_gemm_kernel', 'hopper_gemm_refusal',
-           'hopper_grouped_gemm', 'interleave_gate_up']
+           'hopper_grouped_gemm']
 
 # %% ../nbs/03a_moe_hopper.ipynb #18817efd
 import collections, os
@@ -39,27 +39,38 @@ def _tile(t, tiles_m, tiles_n, GROUP_M: gl.constexpr):
 @gluon.jit
 def _loader(a_desc, b_desc, a_smem, b_smem, ready, free, n_tiles, tiles_m, tiles_n, K, N, rows_per_expert,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-            TRANS_B: gl.constexpr):
+            SWIGLU: gl.constexpr, TRANS_B: gl.constexpr):
+    HALF_N: gl.constexpr = BLOCK_N // 2
     it = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         e, m, n = _tile(t, tiles_m, tiles_n, GROUP_M)
         for k in range(0, K, BLOCK_K):
             slot = it % STAGES
             mbarrier.wait(free.index(slot), ((it // STAGES) & 1) ^ 1)      # a fresh barrier passes phase 1 at once
-            mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            if SWIGLU:                                                          # two (BLOCK_K, BLOCK_N / 2) copies per B tile
+                mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes)
+            else:
+                mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(a_desc, [e * rows_per_expert + m * BLOCK_M, k], ready.index(slot), a_smem.index(slot))
             if TRANS_B:                                                         # w[e] stored (N, K): its (BLOCK_N, BLOCK_K) tile
                 tma.async_copy_global_to_shared(b_desc, [e * N + n * BLOCK_N, k], ready.index(slot), b_smem.index(slot))
+            elif SWIGLU:                                                        # gate columns left, the matching up columns right
+                tma.async_copy_global_to_shared(b_desc, [e * K + k, n * HALF_N], ready.index(slot),
+                                                b_smem.index(slot).slice(0, HALF_N, dim=1))
+                tma.async_copy_global_to_shared(b_desc, [e * K + k, N // 2 + n * HALF_N], ready.index(slot),
+                                                b_smem.index(slot).slice(HALF_N, HALF_N, dim=1))
             else:
                 tma.async_copy_global_to_shared(b_desc, [e * K + k, n * BLOCK_N], ready.index(slot), b_smem.index(slot))
             it += 1
 
 @gluon.jit
-def _consumer(a_smem, b_smem, c_smem, act_smem, c_desc, act_desc, ready, free, n_tiles, tiles_m, tiles_n, K, rows_per_expert,
+def _consumer(a_smem, b_smem, c_smem, c_desc, act_desc, ready, free, n_tiles, tiles_m, tiles_n, K, N, rows_per_expert,
               CONS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
               GROUP_M: gl.constexpr, SWIGLU: gl.constexpr, TRANS_B: gl.constexpr):
     HALF: gl.constexpr = BLOCK_M // 2
+    HALF_N: gl.constexpr = BLOCK_N // 2
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_N, 16])
     it = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         e, m, n = _tile(t, tiles_m, tiles_n, GROUP_M)
@@ -79,15 +90,21 @@ def _consumer(a_smem, b_smem, c_smem, act_smem, c_desc, act_desc, ready, free, n
         mbarrier.arrive(free.index((it + STAGES - 1) % STAGES), count=1)
         row = e * rows_per_expert + m * BLOCK_M + CONS * HALF
         hidden = acc.to(gl.bfloat16)
-        tma.store_wait(0)                                                     # the last tile's output has left
+        tma.store_wait(0)                                                     # the last tile's outputs have left shared memory
         c_smem.store(hidden)
-        if SWIGLU:                                                            # (gate, up) pairs in adjacent columns
-            gate, up = gl.split(hidden.to(gl.float32).reshape([HALF, BLOCK_N // 2, 2]))
-            act_smem.store((gate / (1.0 + gl.exp(-gate)) * up).to(gl.bfloat16))
         fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [row, n * BLOCK_N], c_smem)
-        if SWIGLU:
-            tma.async_copy_shared_to_global(act_desc, [row, n * (BLOCK_N // 2)], act_smem)
+        if SWIGLU:                                                            # columns: BLOCK_N / 2 gates, then their ups
+            gate_smem, up_smem = c_smem.slice(0, HALF_N, dim=1), c_smem.slice(HALF_N, HALF_N, dim=1)
+            tma.async_copy_shared_to_global(c_desc, [row, n * HALF_N], gate_smem)
+            tma.async_copy_shared_to_global(c_desc, [row, N // 2 + n * HALF_N], up_smem)
+            g = gate_smem.load(half_layout).to(gl.float32)                   # read back beside the TMA, in matching registers
+            act = (g * (1.0 / (1.0 + gl.exp(-g))) * up_smem.load(half_layout).to(gl.float32)).to(gl.bfloat16)
+            tma.store_wait(1)                                                 # the gates have left: act goes in their place
+            gate_smem.store(act)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(act_desc, [row, n * HALF_N], gate_smem)
+        else:
+            tma.async_copy_shared_to_global(c_desc, [row, n * BLOCK_N], c_smem)
     tma.store_wait(0)
 
 @gluon.jit
@@ -102,40 +119,36 @@ def gluon_grouped_gemm_kernel(a_desc, b_desc, c_desc, act_desc, n_tiles, tiles_m
         b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
     else:
         b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
-    c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, HALF, BLOCK_N], c_desc.layout)
-    if SWIGLU:
-        act_smem = gl.allocate_shared_memory(act_desc.dtype, [2, HALF, BLOCK_N // 2], act_desc.layout)
-    else:
-        act_smem = c_smem                                                     # not written
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, HALF, BLOCK_N], c_desc.layout)   # one output tile per consumer
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(free.index(i), count=2)                                 # both consumers are done with the slot
     gl.warp_specialize([
-        (_consumer, (a_smem, b_smem, c_smem.index(0), act_smem.index(0), c_desc, act_desc, ready, free, n_tiles, tiles_m,
-                     tiles_n, K, rows_per_expert, 0, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SWIGLU, TRANS_B)),
-        (_consumer, (a_smem, b_smem, c_smem.index(1), act_smem.index(1), c_desc, act_desc, ready, free, n_tiles, tiles_m,
-                     tiles_n, K, rows_per_expert, 1, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SWIGLU, TRANS_B)),
+        (_consumer, (a_smem, b_smem, c_smem.index(0), c_desc, act_desc, ready, free, n_tiles, tiles_m, tiles_n, K, N, rows_per_expert,
+                     0, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SWIGLU, TRANS_B)),
+        (_consumer, (a_smem, b_smem, c_smem.index(1), c_desc, act_desc, ready, free, n_tiles, tiles_m, tiles_n, K, N, rows_per_expert,
+                     1, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SWIGLU, TRANS_B)),
         (_loader, (a_desc, b_desc, a_smem, b_smem, ready, free, n_tiles, tiles_m, tiles_n, K, N, rows_per_expert,
-                   BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, TRANS_B)),
+                   BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SWIGLU, TRANS_B)),
     ], [4, 1], [REGS, LOADER_REGS])
 
 
 # %% ../nbs/03a_moe_hopper.ipynb #62dfa9fd
 ENABLED = os.environ.get("RTRAINER_HOPPER_MOE", "1") != "0"
-CALLS = collections.Counter()        # products that took the Hopper kernel, normal and transposed weights (tests check it ran)
+CALLS = collections.Counter()        # products that took the Hopper kernel: plain, transposed weights, with the SwiGLU (tests check it ran)
 
 def _desc(t, rows, cols):
     "2-D TMA descriptor over t in blocks of (rows, cols)."
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, cols], _block_layout(rows, cols))
 
-def hopper_gemm_refusal(rows, weight, capacity, config=GEMM_CONFIG):
+def hopper_gemm_refusal(rows, weight, capacity, config=GEMM_CONFIG, swiglu=False):
     "Why the layer does not hand rows (E*C, K) @ weight (E, K, N) per group of `capacity` rows to the kernel (a short reason), or None."
     if not ENABLED: return "disabled (RTRAINER_HOPPER_MOE=0)"
-    return _kernel_refusal(rows, weight, capacity, config)
+    return _kernel_refusal(rows, weight, capacity, config, swiglu)
 
-def _kernel_refusal(rows, weight, capacity, config):
+def _kernel_refusal(rows, weight, capacity, config, swiglu=False):
     "Why the kernel cannot run these operands, or None."
     block_m, block_n, block_k = config[:3]
     if not rows.is_cuda: return "not on a CUDA device"
@@ -148,13 +161,14 @@ def _kernel_refusal(rows, weight, capacity, config):
     if not rows.is_contiguous() or rows.data_ptr() % 16: return "rows not contiguous and 16-byte aligned"
     if not (weight.is_contiguous() or weight.transpose(1, 2).is_contiguous()) or weight.data_ptr() % 16:
         return "weight neither contiguous nor the transpose of a contiguous tensor"
+    if swiglu and not weight.is_contiguous(): return "the SwiGLU epilogue needs a contiguous (E, K, N) weight"
     return None
 
 def hopper_grouped_gemm(rows, weight, config=GEMM_CONFIG, swiglu=False, out=None):
     """(out (E*C, N), act (E*C, N/2) or None): rows (E*C, K) @ weight[e] (E, K, N) per group of C rows, bf16; weight
-    contiguous or the transpose of a contiguous (E, N, K). With swiglu, weight's columns are (gate, up) pairs and
-    act = silu(gate) * up of each pair."""
-    if (why := _kernel_refusal(rows, weight, rows.shape[0] // weight.shape[0], config)): raise ValueError(f"hopper_grouped_gemm: {why}")
+    contiguous or the transpose of a contiguous (E, N, K). With swiglu, out is the layer's hidden, [gate | up] (gate
+    columns, then as many up columns), and act = silu(gate) * up of its bf16 values, as `swiglu_forward` computes it."""
+    if (why := _kernel_refusal(rows, weight, rows.shape[0] // weight.shape[0], config, swiglu)): raise ValueError(f"hopper_grouped_gemm: {why}")
     return _launch(rows, weight, config, swiglu, out)
 
 def _launch(rows, weight, config, swiglu, out):
@@ -166,23 +180,24 @@ def _launch(rows, weight, config, swiglu, out):
     act = torch.empty(R, N // 2, dtype=rows.dtype, device=rows.device) if swiglu else None
     tiles_m, tiles_n = R // E // block_m, N // block_n
     n_tiles = E * tiles_m * tiles_n
+    out_cols = block_n // 2 if swiglu else block_n                           # swiglu: gate and up leave as separate blocks
     b_desc = (_desc(weight.transpose(1, 2).reshape(E * N, K), block_n, block_k) if trans_b
-              else _desc(weight.reshape(E * K, N), block_k, block_n))
+              else _desc(weight.reshape(E * K, N), block_k, out_cols))
     gluon_grouped_gemm_kernel[(min(n_tiles, _sm_count(rows.device.index)),)](
-        _desc(rows, block_m, block_k), b_desc, _desc(out, block_m // 2, block_n),
+        _desc(rows, block_m, block_k), b_desc, _desc(out, block_m // 2, out_cols),
         _desc(act if swiglu else out, block_m // 2, block_n // 2),            # not written without swiglu
         n_tiles, tiles_m, tiles_n, K, N, R // E, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
         GROUP_M=group_m, SWIGLU=swiglu, TRANS_B=trans_b, REGS=CONSUMER_REGS, num_warps=4)
     return out, act
-
-def interleave_gate_up(w):
-    "w (E, K, 2FF) as [gate | up] -> (gate, up) pairs: gate j at column 2j, up j at 2j + 1 (for swiglu=True)."
-    E, K, two_ff = w.shape
-    return torch.stack(w.split(two_ff // 2, dim=-1), dim=-1).reshape(E, K, two_ff).contiguous()
 
 def _fast_grouped_gemm(rows, weight, capacity):
     if hopper_gemm_refusal(rows, weight, capacity): return None
     CALLS["transposed" if not weight.is_contiguous() else "plain"] += 1
     return _launch(rows, weight, GEMM_CONFIG, False, None)[0]                # checked once, by the refusal
 
-FAST_PATHS.update(grouped_gemm=_fast_grouped_gemm)
+def _fast_grouped_gemm_swiglu(rows, gate_up, capacity):
+    if hopper_gemm_refusal(rows, gate_up, capacity, swiglu=True): return None
+    CALLS["swiglu"] += 1
+    return _launch(rows, gate_up, GEMM_CONFIG, True, None)
+
+FAST_PATHS.update(grouped_gemm=_fast_grouped_gemm, grouped_gemm_swiglu=_fast_grouped_gemm_swiglu)

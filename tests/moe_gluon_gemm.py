@@ -14,9 +14,10 @@ chapter's Hopper kernels do (the kernel is rtrainer.moe_hopper's, `03a_moe_hoppe
                                and a TMA store that overlaps the next tile's loop.
 
 One program per SM walks the tiles of all experts (uniform groups of C rows, the capacity layout), GROUP_M row tiles
-sweeping the columns together. With SWIGLU the gate_up weight's columns are interleaved (gate j at column 2j, up j
-at 2j + 1), so each accumulator row holds (gate, up) pairs in adjacent registers: the epilogue writes `hidden` (in
-that interleaved order) and `act = silu(gate) * up` of the bf16-rounded pair, the values the separate pass would read.
+sweeping the columns together. With SWIGLU the loader fills each B tile's left half with BLOCK_N / 2 gate columns
+and its right half with the matching up columns (two copies from the layer's [gate | up] weight), so a thread holds
+each gate next to its up in registers: the epilogue writes `hidden` in the layer's layout and `act = silu(gate) * up`
+of the bf16-rounded values, what the separate pass would write.
 
 Arms, at the moe4b capacity shapes (8 experts x 4,096 rows, D 3072, FF 4096, bf16): cuBLAS's `bmm` against each
 config of rtrainer.moe_hopper's kernel on the four products it takes in the layer (gate_up K 3072 N 8192, down K 4096
@@ -32,14 +33,14 @@ import json, os, re, subprocess, sys, time
 import torch
 import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from rtrainer.moe_hopper import gluon_grouped_gemm_kernel, hopper_grouped_gemm, interleave_gate_up, CONSUMER_REGS
+from rtrainer.moe_hopper import gluon_grouped_gemm_kernel, hopper_grouped_gemm, CONSUMER_REGS
 
 E, C, D, FF = 8, 4096, 3072, 4096
 ROUNDS = 5
 SMOKE_TIMEOUT_S = 90
 # (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M): BLOCK_M rows are split between the two consumer warpgroups
 CONFIGS = [(128, 256, 64, 3, 8), (128, 128, 64, 5, 8), (128, 256, 64, 3, 16)]
-SWIGLU_CONFIGS = [(128, 128, 64, 4, 8), (128, 256, 64, 2, 8)]
+SWIGLU_CONFIGS = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8)]
 
 def _compile_sm90(config, swiglu, trans_b=False):
     "Compile for sm_90 without a GPU: ((registers, spills), shared memory bytes)."
@@ -48,8 +49,9 @@ def _compile_sm90(config, swiglu, trans_b=False):
     block_m, block_n, block_k, stages, group_m = config
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, GROUP_M=group_m, SWIGLU=swiglu,
                   TRANS_B=trans_b, REGS=CONSUMER_REGS, num_warps=4)
-    descs = dict(a_desc=(block_m, block_k), b_desc=(block_n, block_k) if trans_b else (block_k, block_n),
-                 c_desc=(block_m // 2, block_n), act_desc=(block_m // 2, block_n // 2))
+    out_cols = block_n // 2 if swiglu else block_n
+    descs = dict(a_desc=(block_m, block_k), b_desc=(block_n, block_k) if trans_b else (block_k, out_cols),
+                 c_desc=(block_m // 2, out_cols), act_desc=(block_m // 2, block_n // 2))
     usage, shared, _ = compile_gluon_sm90(gluon_grouped_gemm_kernel, consts, descs, warps=4)
     return usage, shared
 
@@ -76,8 +78,8 @@ def _check(a, w, out, act=None, sample=256):
         want = a[r].double() @ w[e].double()
         errs.append(((out[r].double() - want).norm() / want.norm()).item())
         if act is not None:
-            h = out[r].double().view(sample, -1, 2)                         # the written bf16 pairs
-            act_want = torch.nn.functional.silu(h[..., 0]) * h[..., 1]
+            gate, up = out[r].double().chunk(2, dim=1)                      # the written bf16 values
+            act_want = torch.nn.functional.silu(gate) * up
             errs.append(((act[r].double() - act_want).norm() / act_want.norm()).item())
     return max(errs)
 
@@ -117,15 +119,14 @@ def gpu_main():
             print(name, config, "check", f"{err:.2e}", flush=True)
             if err < 1e-2: arms[f"gluon {config}"] = lambda config=config: hopper_grouped_gemm(a, w, config)
         if name == "gate_up":
-            wi = interleave_gate_up(w)
             arms["cublas bmm + swiglu_forward"] = lambda: swiglu_forward(torch.bmm(a.view(E, C, K), w).view(E * C, N))
             for i, config in enumerate(SWIGLU_CONFIGS):
                 if (1, i) not in alive: continue
-                out_i, act_i = hopper_grouped_gemm(a, wi, config, swiglu=True)
-                err = _check(a, wi, out_i, act_i)
+                out_i, act_i = hopper_grouped_gemm(a, w, config, swiglu=True)
+                err = _check(a, w, out_i, act_i)
                 payload["rows"].append(dict(gemm=name, arm=f"gluon + swiglu {config}", check_rel_error=err))
                 print(name, "swiglu", config, "check", f"{err:.2e}", flush=True)
-                if err < 1e-2: arms[f"gluon + swiglu {config}"] = lambda config=config: hopper_grouped_gemm(a, wi, config, swiglu=True)
+                if err < 1e-2: arms[f"gluon + swiglu {config}"] = lambda config=config: hopper_grouped_gemm(a, w, config, swiglu=True)
         for fn in arms.values(): fn()
         times = {arm: [] for arm in arms}
         for r in range(ROUNDS):

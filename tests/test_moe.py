@@ -344,6 +344,27 @@ def test_library_layer_matches_float64_reference(dispatch, capacity_factor, weig
     assert max(errors.values()) < 1e-4, errors
 
 @needs_kernels
+@pytest.mark.parametrize("act_scale", [1.0, 2.0])
+def test_capacity_layer_takes_a_registered_swiglu_gemm(monkeypatch, act_scale):
+    "The capacity layer hands gate_up and the SwiGLU to FAST_PATHS['grouped_gemm_swiglu'] and runs on what it returns."
+    calls = []
+    def fused(rows, gate_up, capacity):                       # an exact stand-in for the Hopper kernel, act scaled
+        calls.append(capacity)
+        E, K, N = gate_up.shape
+        hidden = torch.bmm(rows.view(E, capacity, K), gate_up).view(E * capacity, N)
+        gate, up = hidden.chunk(2, dim=1)
+        return hidden, torch.nn.functional.silu(gate) * up * act_scale
+    monkeypatch.setitem(moe.FAST_PATHS, "grouped_gemm_swiglu", fused)
+    with knob_values(moe, {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "library"}):
+        errors = compare_triton_to_torch(20, 24, 5, 2, 29, "capacity", 1.0, device=DEVICE, block_m=16)
+        assert calls and set(calls) == {math.ceil(29 * 2 / 5)}
+        if act_scale == 1.0: assert max(errors.values()) < 1e-4, errors
+        else: assert errors["y"] > 0.1, errors                    # the layer ran on the returned act
+        calls.clear()
+        with knob_values(moe, {"FAST_SWIGLU": False}): compare_triton_to_torch(20, 24, 5, 2, 29, "capacity", 1.0, device=DEVICE, block_m=16)
+        assert calls == []
+
+@needs_kernels
 @pytest.mark.parametrize("dispatch,capacity_factor,shared,top_k", [("dropless", 1.0, 8, 2), ("dropless", 1.0, 0, 3),
                                                                      ("dropless", 1.0, 0, 1), ("capacity", 0.8, 0, 2)])
 def test_per_expert_layer_matches_float64_reference(dispatch, capacity_factor, shared, top_k):
@@ -573,6 +594,6 @@ def test_triton_layer_refuses_float64():
 
 def test_benchmark_arms_quick_leaves_out_max_autotune_only():
     full, quick = moe.benchmark_arms(), moe.benchmark_arms(quick=True)
-    assert list(full) == list(moe.BENCHMARK_ARMS) and len(full) == 10
+    assert list(full) == list(moe.BENCHMARK_ARMS) and len(full) == 11
     assert [n for n in full if n not in quick] == ["torch.compile max-autotune capacity"]
     assert next(iter(quick)) == "torch.compile capacity" and moe.COMPILE_MODES["torch.compile capacity"] == "default"

@@ -9,6 +9,7 @@ from rtrainer.kernels import knob_values
 
 def test_registers_itself_in_the_moe_fast_paths():
     assert moe.FAST_PATHS["grouped_gemm"] is moe_hopper._fast_grouped_gemm
+    assert moe.FAST_PATHS["grouped_gemm_swiglu"] is moe_hopper._fast_grouped_gemm_swiglu
 
 def test_cpu_operands_are_refused_and_take_bmm():
     torch.manual_seed(0)
@@ -28,7 +29,7 @@ def test_disabled_says_so():
     with knob_values(moe_hopper, {"ENABLED": False}):
         assert moe_hopper.hopper_gemm_refusal(rows, weight, 128).startswith("disabled")
 
-def test_interleave_gate_up_pairs_columns():
-    w = torch.arange(2 * 3 * 8, dtype=torch.float32).view(2, 3, 8)          # FF = 4: gate columns 0-3, up 4-7
-    wi = moe_hopper.interleave_gate_up(w)
-    assert torch.equal(wi[..., 0::2], w[..., :4]) and torch.equal(wi[..., 1::2], w[..., 4:])
+def test_cpu_layer_runs_the_separate_swiglu():
+    rows, gate_up = torch.zeros(2 * 128, 64, dtype=torch.bfloat16), torch.zeros(2, 64, 512, dtype=torch.bfloat16)
+    assert moe.grouped_gemm_swiglu_fast(rows, gate_up, 128) is None          # refused: the layer runs bmm + swiglu_forward
+    assert moe.grouped_gemm_swiglu_fast(rows, gate_up, 0) is None            # dropless groups: never offered

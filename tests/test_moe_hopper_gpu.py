@@ -5,7 +5,7 @@ if torch.cuda.get_device_capability()[0] != 9: pytest.skip("the Gluon kernel is 
 import rtrainer.moe as moe
 from rtrainer import moe_hopper
 from rtrainer.moe import MoeFeedForward
-from rtrainer.kernels import start_gradient_step, gradient_fp32, knob_values
+from rtrainer.kernels import start_gradient_step, gradient_fp32, knob_values, swiglu_forward
 
 pytestmark = pytest.mark.cuda
 
@@ -24,16 +24,19 @@ def test_hopper_grouped_gemm_matches_float64(E, C, K, N, transposed):
     print(E, C, K, N, transposed, rel(out, want))
     assert not out.isnan().any() and rel(out, want) < 5e-3
 
-def test_hopper_swiglu_epilogue():
-    torch.manual_seed(9)
-    E, C, K, FF = 2, 256, 128, 256
+@pytest.mark.parametrize("E,C,K,FF", [(2, 256, 128, 256), (3, 128, 192, 384), (1, 384, 320, 128)])
+def test_hopper_swiglu_epilogue(E, C, K, FF):
+    "hidden in the layer's [gate | up] layout and act = silu(gate) * up of its bf16 values, as swiglu_forward computes it."
+    torch.manual_seed(E * FF)
     rows = torch.randn(E * C, K, device="cuda").bfloat16()
     gate_up = (torch.randn(E, K, 2 * FF, device="cuda") / K ** 0.5).bfloat16()
-    hidden, act = moe_hopper.hopper_grouped_gemm(rows, moe_hopper.interleave_gate_up(gate_up), config=(128, 128, 64, 4, 8), swiglu=True)
+    hidden = torch.full((E * C, 2 * FF), float("nan"), device="cuda", dtype=torch.bfloat16)
+    hidden, act = moe_hopper.hopper_grouped_gemm(rows, gate_up, swiglu=True, out=hidden)
     want = torch.cat([rows[e * C:(e + 1) * C].double() @ gate_up[e].double() for e in range(E)])
-    pairs = hidden.double().view(E * C, FF, 2)
-    assert rel(pairs[..., 0], want[:, :FF]) < 5e-3 and rel(pairs[..., 1], want[:, FF:]) < 5e-3
-    assert rel(act, torch.nn.functional.silu(pairs[..., 0]) * pairs[..., 1]) < 5e-3     # of the written bf16 pair
+    assert not hidden.isnan().any() and rel(hidden, want) < 5e-3
+    gate, up = hidden.double().chunk(2, dim=1)
+    assert rel(act, torch.nn.functional.silu(gate) * up) < 5e-3
+    assert torch.equal(act, swiglu_forward(hidden))                          # the bits the separate pass writes
 
 def test_hopper_refusals():
     rows, weight = torch.zeros(2 * 128, 64, device="cuda", dtype=torch.bfloat16), torch.zeros(2, 64, 256, device="cuda", dtype=torch.bfloat16)
@@ -42,9 +45,12 @@ def test_hopper_refusals():
     assert "off the" in moe_hopper.hopper_gemm_refusal(rows[:200], weight, 100)
     assert "off the" in moe_hopper.hopper_gemm_refusal(rows, weight[:, :, :200], 128)
     assert "neither" in moe_hopper.hopper_gemm_refusal(rows, torch.zeros(2, 64, 512, device="cuda", dtype=torch.bfloat16)[:, :, ::2], 128)
+    transposed = torch.zeros(2, 256, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    assert moe_hopper.hopper_gemm_refusal(rows, transposed, 128) is None
+    assert "contiguous" in moe_hopper.hopper_gemm_refusal(rows, transposed, 128, swiglu=True)
 
-@pytest.mark.parametrize("fast", [True, False])
-def test_bf16_capacity_layer_takes_the_hopper_gemm(fast):
+@pytest.mark.parametrize("knobs,calls,swiglu_calls", [({}, 4, 1), ({"FAST_SWIGLU": False}, 4, 0), ({"FAST_GEMM": False}, 0, 0)])
+def test_bf16_capacity_layer_takes_the_hopper_gemm(knobs, calls, swiglu_calls):
     "4,096 tokens, top-2 of 8 experts (capacity 1,024): the two forward and two input-gradient products take the kernel."
     torch.manual_seed(1)
     N, D, FF, E, k = 4096, 512, 512, 8, 2
@@ -58,13 +64,13 @@ def test_bf16_capacity_layer_takes_the_hopper_gemm(fast):
     probe = torch.randn(N, D, device="cuda", dtype=torch.float64)
     for p in layer.parameters(): p.main_grad = torch.full(p.shape, float("nan"), device="cuda")
     start_gradient_step(layer.parameters())
-    before = sum(moe_hopper.CALLS.values())
-    with knob_values(moe, {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "library", "FAST_GEMM": fast}):
+    before, swiglu_before = sum(moe_hopper.CALLS.values()), moe_hopper.CALLS["swiglu"]
+    with knob_values(moe, {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "library", **knobs}):
         y = layer(x); ((y.double() * probe).sum() + 0.37 * layer.last_stats["load_balance_loss"].double()).backward()
-    assert sum(moe_hopper.CALLS.values()) - before == (4 if fast else 0)
+    assert sum(moe_hopper.CALLS.values()) - before == calls and moe_hopper.CALLS["swiglu"] - swiglu_before == swiglu_calls
     y64 = oracle(x64); ((y64 * probe).sum() + 0.37 * oracle.last_stats["load_balance_loss"]).backward()
     assert torch.equal(layer.last_stats["expert_load"], oracle.last_stats["expert_load"].float())
     errors = dict(y=rel(y, y64), x=rel(x.grad, x64.grad),
                   **{n: rel(gradient_fp32(p), p64.grad) for (n, p), p64 in zip(layer.named_parameters(), oracle.parameters())})
-    print(fast, errors)
+    print(knobs, errors)
     assert errors["y"] < 1e-2 and max(errors.values()) < 3e-2, errors
