@@ -451,7 +451,7 @@ def router_logits_kernel(x_ptr, w_ptr, out_ptr, experts_ptr, weights_ptr, N, D, 
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + cols[None, :],
                     mask=(rows[:, None] < N) & (cols[None, :] < D), other=0.0).to(tl.float32)
         w = tl.load(w_ptr + cols[:, None] * E + experts[None, :], mask=(cols[:, None] < D) & (experts[None, :] < E), other=0.0)
-        acc += tl.dot(x, w, input_precision="tf32x3")   # fp32-accurate on the tensor cores: three tf32 products of hi/lo parts
+        acc += tl.dot(x, w, input_precision="ieee")     # the chunk's fp32 sum (FMA; tf32x3 on the tensor cores was slower, see below)
     is_expert = experts[None, :] < E
     out_mask = (rows[:, None] < N) & is_expert
     if TOP_K == 0:                                      # the logits alone
@@ -486,7 +486,7 @@ def router_grad_w_kernel(x_ptr, g_ptr, part_ptr, N, D, E, CHUNK_ROWS: tl.constex
         xT = tl.load(x_ptr + rows[None, :].to(tl.int64) * D + cols[:, None],
                      mask=(rows[None, :] < N) & (cols[:, None] < D), other=0.0).to(tl.float32)   # (BLOCK_COLS, BLOCK_ROWS)
         g = tl.load(g_ptr + rows[:, None] * E + experts[None, :], mask=(rows[:, None] < N) & (experts[None, :] < E), other=0.0)
-        acc = tl.dot(xT, g.to(tl.float32), acc, input_precision="tf32x3")
+        acc = tl.dot(xT, g.to(tl.float32), acc, input_precision="ieee")
     tl.store(part_ptr + (chunk * D + cols[:, None]).to(tl.int64) * E_PAD + experts[None, :], acc, mask=cols[:, None] < D)
 
 @triton.jit
