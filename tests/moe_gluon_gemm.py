@@ -33,7 +33,6 @@ import json, os, re, subprocess, sys, time
 import torch
 import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from rtrainer import moe_hopper
 from rtrainer.moe_hopper import gluon_grouped_gemm_kernel, hopper_grouped_gemm, CONSUMER_REGS
 
 E, C, D, FF = 8, 4096, 3072, 4096
@@ -43,13 +42,13 @@ SMOKE_TIMEOUT_S = 90
 CONFIGS = [(128, 256, 64, 3, 8), (128, 128, 64, 5, 8), (128, 256, 64, 3, 16)]
 SWIGLU_CONFIGS = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8)]
 
-def _compile_sm90(config, swiglu, trans_b=False, overlap=True):
+def _compile_sm90(config, swiglu, trans_b=False):
     "Compile for sm_90 without a GPU: ((registers, spills), shared memory bytes)."
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from sm90_compile import compile_gluon_sm90
     block_m, block_n, block_k, stages, group_m = config
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, GROUP_M=group_m, SWIGLU=swiglu,
-                  TRANS_B=trans_b, OVERLAP=overlap, REGS=CONSUMER_REGS, num_warps=4)
+                  TRANS_B=trans_b, REGS=CONSUMER_REGS, num_warps=4)
     out_cols = block_n // 2 if swiglu else block_n
     descs = dict(a_desc=(block_m, block_k), b_desc=(block_n, block_k) if trans_b else (block_k, out_cols),
                  c_desc=(block_m // 2, out_cols), act_desc=(block_m // 2, block_n // 2))
@@ -59,10 +58,9 @@ def _compile_sm90(config, swiglu, trans_b=False, overlap=True):
 def compile_check():
     for swiglu, trans_b, configs in ((False, False, CONFIGS), (True, False, SWIGLU_CONFIGS), (False, True, CONFIGS)):
         for config in configs:
-            for overlap in (True, False):
-                what = f"swiglu={swiglu} trans_b={trans_b} overlap={overlap} {config}"
-                try: (regs, spills), smem = _compile_sm90(config, swiglu, trans_b, overlap); print(f"{what}: {regs} registers, spills {spills}, shared {smem} bytes")
-                except Exception as exc: print(f"{what}: does not compile: {str(exc).splitlines()[0][:300]}")
+            what = f"swiglu={swiglu} trans_b={trans_b} {config}"
+            try: (regs, spills), smem = _compile_sm90(config, swiglu, trans_b); print(f"{what}: {regs} registers, spills {spills}, shared {smem} bytes")
+            except Exception as exc: print(f"{what}: does not compile: {str(exc).splitlines()[0][:300]}")
 
 def _problem(K, N, rows=C, seed=0, transposed=False):
     "a (E*rows, K) and w (E, K, N) bf16; transposed: w is the transpose of a contiguous (E, N, K), as an input gradient's weight."
@@ -96,13 +94,6 @@ def smoke():
             torch.cuda.synchronize()
             print(f"SMOKE {kind} {i} ok {_check(a, w, out, act):.2e}", flush=True)
 
-def _between_tiles(fn):
-    "fn with the epilogue run between tiles (EPILOGUE_OVERLAP off), the kernel's form before the overlap."
-    from rtrainer.kernels import knob_values
-    def run():
-        with knob_values(moe_hopper, {"EPILOGUE_OVERLAP": False}): return fn()
-    return run
-
 def gpu_main():
     from rtrainer.kernels import median_ms, ratio_interval, alternation
     from rtrainer.kernels import swiglu_forward
@@ -128,11 +119,6 @@ def gpu_main():
             payload["rows"].append(dict(gemm=name, arm=f"gluon {config}", check_rel_error=err))
             print(name, config, "check", f"{err:.2e}", flush=True)
             if err < 1e-2: arms[f"gluon {config}"] = lambda config=config: hopper_grouped_gemm(a, w, config)
-            if i == 0:                                                        # the default tile, epilogue between tiles
-                run = _between_tiles(lambda config=config: hopper_grouped_gemm(a, w, config))
-                err = _check(a, w, run()[0])
-                payload["rows"].append(dict(gemm=name, arm=f"gluon {config}, epilogue between tiles", check_rel_error=err))
-                if err < 1e-2: arms[f"gluon {config}, epilogue between tiles"] = run
         if name == "gate_up":
             arms["cublas bmm + swiglu_forward"] = lambda: swiglu_forward(torch.bmm(a.view(E, C, K), w).view(E * C, N))
             for i, config in enumerate(SWIGLU_CONFIGS):
@@ -142,11 +128,6 @@ def gpu_main():
                 payload["rows"].append(dict(gemm=name, arm=f"gluon + swiglu {config}", check_rel_error=err))
                 print(name, "swiglu", config, "check", f"{err:.2e}", flush=True)
                 if err < 1e-2: arms[f"gluon + swiglu {config}"] = lambda config=config: hopper_grouped_gemm(a, w, config, swiglu=True)
-                if i == 0:
-                    run = _between_tiles(lambda config=config: hopper_grouped_gemm(a, w, config, swiglu=True))
-                    err = _check(a, w, *run())
-                    payload["rows"].append(dict(gemm=name, arm=f"gluon + swiglu {config}, epilogue between tiles", check_rel_error=err))
-                    if err < 1e-2: arms[f"gluon + swiglu {config}, epilogue between tiles"] = run
         for fn in arms.values(): fn()
         times = {arm: [] for arm in arms}
         for r in range(ROUNDS):

@@ -11,31 +11,28 @@ pytestmark = pytest.mark.cuda
 
 def rel(a, b): return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
-@pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("E,C,K,N", [(3, 256, 192, 512), (1, 128, 128, 256), (8, 384, 320, 768), (8, 512, 128, 1280)])
-def test_hopper_grouped_gemm_matches_float64(E, C, K, N, transposed, overlap):
-    "(8, 512, 128, 1280): 160 tiles, so some programs write a tile's output while computing their next one."
+@pytest.mark.parametrize("E,C,K,N", [(3, 256, 192, 512), (1, 128, 64, 256), (8, 384, 320, 768), (8, 512, 128, 1280)])
+def test_hopper_grouped_gemm_matches_float64(E, C, K, N, transposed):
+    "(8, 512, 128, 1280): 160 tiles, so some programs take two."
     torch.manual_seed(E + K)
     rows = torch.randn(E * C, K, device="cuda").bfloat16()
     weight = (torch.randn(E, N, K, device="cuda").transpose(1, 2) if transposed else torch.randn(E, K, N, device="cuda")).bfloat16() / K ** 0.5
     assert moe_hopper.hopper_gemm_refusal(rows, weight, C) is None
     out = torch.full((E * C, N), float("nan"), device="cuda", dtype=torch.bfloat16)    # every element must be written
-    with knob_values(moe_hopper, {"EPILOGUE_OVERLAP": overlap}): moe_hopper.hopper_grouped_gemm(rows, weight, out=out)
+    moe_hopper.hopper_grouped_gemm(rows, weight, out=out)
     want = torch.cat([rows[e * C:(e + 1) * C].double() @ weight[e].double() for e in range(E)])
     print(E, C, K, N, transposed, rel(out, want))
     assert not out.isnan().any() and rel(out, want) < 5e-3
 
-@pytest.mark.parametrize("overlap", [True, False])
-@pytest.mark.parametrize("E,C,K,FF", [(2, 256, 128, 256), (3, 128, 192, 384), (1, 384, 320, 128), (8, 512, 128, 640)])
-def test_hopper_swiglu_epilogue(E, C, K, FF, overlap):
+@pytest.mark.parametrize("E,C,K,FF", [(2, 256, 128, 256), (3, 128, 192, 384), (1, 384, 320, 128), (8, 512, 64, 640)])
+def test_hopper_swiglu_epilogue(E, C, K, FF):
     "hidden in the layer's [gate | up] layout and act = silu(gate) * up of its bf16 values, as swiglu_forward computes it."
     torch.manual_seed(E * FF)
     rows = torch.randn(E * C, K, device="cuda").bfloat16()
     gate_up = (torch.randn(E, K, 2 * FF, device="cuda") / K ** 0.5).bfloat16()
     hidden = torch.full((E * C, 2 * FF), float("nan"), device="cuda", dtype=torch.bfloat16)
-    with knob_values(moe_hopper, {"EPILOGUE_OVERLAP": overlap}):
-        hidden, act = moe_hopper.hopper_grouped_gemm(rows, gate_up, swiglu=True, out=hidden)
+    hidden, act = moe_hopper.hopper_grouped_gemm(rows, gate_up, swiglu=True, out=hidden)
     want = torch.cat([rows[e * C:(e + 1) * C].double() @ gate_up[e].double() for e in range(E)])
     assert not hidden.isnan().any() and rel(hidden, want) < 5e-3
     gate, up = hidden.double().chunk(2, dim=1)
@@ -48,7 +45,6 @@ def test_hopper_refusals():
     assert "bf16" in moe_hopper.hopper_gemm_refusal(rows.float(), weight, 128)
     assert "off the" in moe_hopper.hopper_gemm_refusal(rows[:200], weight, 100)
     assert "off the" in moe_hopper.hopper_gemm_refusal(rows, weight[:, :, :200], 128)
-    assert "under two" in moe_hopper.hopper_gemm_refusal(rows[:, :64].contiguous(), weight[:, :64], 128)
     assert "neither" in moe_hopper.hopper_gemm_refusal(rows, torch.zeros(2, 128, 512, device="cuda", dtype=torch.bfloat16)[:, :, ::2], 128)
     transposed = torch.zeros(2, 256, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     assert moe_hopper.hopper_gemm_refusal(rows, transposed, 128) is None
