@@ -1241,17 +1241,16 @@ def benchmark_suite(quick=False, rounds=5):
         backends = _arm_backends(dispatch, impl, knobs, dt)
         mean = sum(ts) / len(ts)
         _, low, high = ratio_interval([b / t for b, t in zip(times[base_name], ts)])     # paired by round
+        fast_gemm = bool(backends and backends.gemm == "library" and dispatch == "capacity" and FAST_PATHS
+                         and knobs.get("FAST_GEMM", FAST_GEMM))                  # the registered kernels took the products
+        fast_swiglu = fast_gemm and "grouped_gemm_swiglu" in FAST_PATHS and bool(knobs.get("FAST_SWIGLU", FAST_SWIGLU))
         rows.append(dict(arm=name, ms=mean, ms_min=min(ts), ms_max=max(ts), tflops=flops / mean / 1e9,
                          speedup_vs_compile=base / mean, speedup_vs_best_compile=sum(times[best_compile]) / rounds / mean,
                          speedup_ci95=(high - low) / 2 if low is not None else None,
                          speedup_ci95_low=low, speedup_ci95_high=high, first_call_s=first_call_s[name],
                          peak_step_gib=peaks[name] / 2**30, saved_gib=saved_bytes[name] / 2**30 if name in saved_bytes else None,
                          dispatch=dispatch, gemm=backends.gemm if backends else impl,
-                         fast_gemm=bool(backends and backends.gemm == "library" and dispatch == "capacity" and FAST_PATHS
-                                        and knobs.get("FAST_GEMM", FAST_GEMM)),
-                         fast_swiglu=bool(backends and backends.gemm == "library" and dispatch == "capacity"
-                                          and "grouped_gemm_swiglu" in FAST_PATHS and knobs.get("FAST_GEMM", FAST_GEMM)
-                                          and knobs.get("FAST_SWIGLU", FAST_SWIGLU)), weight_grad=backends.weight_grad if backends else impl,
+                         fast_gemm=fast_gemm, fast_swiglu=fast_swiglu, weight_grad=backends.weight_grad if backends else impl,
                          weight_grad_note=backends.weight_grad_note if backends else "autograd, bf16",
                          tokens=N, d_model=D, expert_d_ff=FF, experts=E, top_k=k))
     by_arm = {r["arm"]: r for r in rows}

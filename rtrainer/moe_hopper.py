@@ -168,6 +168,7 @@ def _kernel_refusal(rows, weight, capacity, config, swiglu=False):
     if not (weight.is_contiguous() or weight.transpose(1, 2).is_contiguous()) or weight.data_ptr() % 16:
         return "weight neither contiguous nor the transpose of a contiguous tensor"
     if swiglu and not weight.is_contiguous(): return "the SwiGLU epilogue needs a contiguous (E, K, N) weight"
+    if swiglu and block_n % 128: return f"the SwiGLU epilogue needs BLOCK_N a multiple of 128 (64-column chunks of each half), got {block_n}"
     return None
 
 def hopper_grouped_gemm(rows, weight, config=GEMM_CONFIG, swiglu=False, out=None):

@@ -49,6 +49,7 @@ def test_hopper_refusals():
     transposed = torch.zeros(2, 256, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     assert moe_hopper.hopper_gemm_refusal(rows, transposed, 128) is None
     assert "contiguous" in moe_hopper.hopper_gemm_refusal(rows, transposed, 128, swiglu=True)
+    assert "multiple of 128" in moe_hopper.hopper_gemm_refusal(rows, weight, 128, config=(128, 64, 64, 3, 8), swiglu=True)
 
 @pytest.mark.parametrize("knobs,calls,swiglu_calls", [({}, 4, 1), ({"FAST_SWIGLU": False}, 4, 0), ({"FAST_GEMM": False}, 0, 0)])
 def test_bf16_capacity_layer_takes_the_hopper_gemm(knobs, calls, swiglu_calls):
