@@ -729,9 +729,8 @@ def swiglu_forward_kernel(gate_up_ptr,                  # (rows, 2*FF): gate col
 def swiglu_backward_kernel(dy_ptr,                      # (rows, FF) gradient of the output
                            gate_up_ptr,                 # (rows, 2*FF) the forward's input
                            dgate_up_ptr,                # (rows, 2*FF) gradient of the input
-                           out_ptr,                     # (rows, FF) the forward's output again, if WRITE_OUT
-                           ff, n_col_blocks, dy_stride, gate_up_stride, dgate_up_stride, out_stride,
-                           BLOCK: tl.constexpr, WRITE_OUT: tl.constexpr):
+                           ff, n_col_blocks, dy_stride, gate_up_stride, dgate_up_stride,
+                           BLOCK: tl.constexpr):
     row, cols = _row_and_columns(n_col_blocks, BLOCK)
     mask = cols < ff
     dy = tl.load(dy_ptr + row * dy_stride + cols, mask=mask, other=0.0).to(tl.float32)                 # read FF
@@ -742,8 +741,6 @@ def swiglu_backward_kernel(dy_ptr,                      # (rows, FF) gradient of
     dup = dy * gate * s
     tl.store(dgate_up_ptr + row * dgate_up_stride + cols, dgate.to(dgate_up_ptr.dtype.element_ty), mask=mask)     # write FF
     tl.store(dgate_up_ptr + row * dgate_up_stride + ff + cols, dup.to(dgate_up_ptr.dtype.element_ty), mask=mask)  # write FF
-    if WRITE_OUT:
-        tl.store(out_ptr + row * out_stride + cols, (gate * s * up).to(out_ptr.dtype.element_ty), mask=mask)   # write FF
 
 def swiglu_forward(gate_up, out=None):
     "silu(gate) * up of gate_up (..., 2*FF) into (..., FF); `out` may be given."
@@ -758,19 +755,15 @@ def swiglu_forward(gate_up, out=None):
                                                          BLOCK=SWIGLU_BLOCK, num_warps=SWIGLU_NUM_WARPS)
     return out
 
-def swiglu_backward(dy, gate_up, dgate_up=None, out=None):
-    "Gradient of gate_up from dy; `dgate_up` may be given (gate_up: in place); with `out` (dy: in place) the output too."
+def swiglu_backward(dy, gate_up, dgate_up=None):
+    "Gradient of gate_up from dy; `dgate_up` may be given (gate_up: in place)."
     ff = gate_up.shape[-1] // 2
     dy2, gu = as_rows(dy), as_rows(gate_up); n_rows = gu.shape[0]
     dgate_up = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device) if dgate_up is None else dgate_up
     d2 = dgate_up.view(-1, 2 * ff)
-    if out is not None and (out.shape != dy.shape or not out.is_contiguous()):
-        raise ValueError(f"swiglu_backward: out must be contiguous and shaped like dy {tuple(dy.shape)}, got {tuple(out.shape)}")
-    out2 = d2 if out is None else out.view(-1, ff)                    # not written unless out is given
     blocks = triton.cdiv(ff, SWIGLU_BLOCK)
-    if n_rows: swiglu_backward_kernel[(n_rows * blocks,)](dy2, gu, d2, out2, ff, blocks, dy2.stride(0), gu.stride(0), d2.stride(0),
-                                                          out2.stride(0), BLOCK=SWIGLU_BLOCK, WRITE_OUT=out is not None,
-                                                          num_warps=SWIGLU_NUM_WARPS)
+    if n_rows: swiglu_backward_kernel[(n_rows * blocks,)](dy2, gu, d2, ff, blocks, dy2.stride(0), gu.stride(0), d2.stride(0),
+                                                          BLOCK=SWIGLU_BLOCK, num_warps=SWIGLU_NUM_WARPS)
     return dgate_up
 
 class SwiGLUFunction(torch.autograd.Function):
