@@ -16,13 +16,14 @@ __all__ = ['GROUPED_GEMM_BLOCK_M', 'ROW_BLOCK', 'TMA_WGRAD_CONFIG', 'INTERPRET_T
            'combine_rows_kernel', 'gather_rows_triton', 'combine_rows_triton', 'router_logits_kernel',
            'router_grad_w_kernel', 'router_backward_kernel', 'router_logits_triton', 'route_tokens_triton',
            'router_backward_triton', 'router_weight_grad_triton', 'router_parity_errors', 'library_support',
-           'ExpertBackends', 'expert_backends', 'grouped_gemm_swiglu_fast', 'grouped_gemm_library',
-           'grouped_gemm_weight_grad_library', 'grouped_gemm_per_expert', 'grouped_gemm_weight_grad_per_expert',
-           'RoutingPlan', 'capacity_plan_kernel', 'capacity_plan_reference', 'capacity_plan', 'dropless_plan',
-           'host_group_bounds', 'routed_swiglu_backward_kernel', 'routed_swiglu_backward', 'MoeExperts',
-           'moe_experts_triton', 'MoeRouted', 'MoeFeedForward', 'moe_parameter_count', 'naive_moe_loop',
-           'check_moe_against_loop', 'compare_triton_to_torch', 'check_empty_expert', 'saved_tensor_bytes',
-           'expert_saved_bytes', 'accumulation_gradients', 'benchmark_arms', 'benchmark_suite']
+           'ExpertBackends', 'expert_backends', 'dropless_row_align', 'grouped_gemm_swiglu_fast',
+           'grouped_gemm_library', 'grouped_gemm_weight_grad_library', 'grouped_gemm_per_expert',
+           'grouped_gemm_weight_grad_per_expert', 'RoutingPlan', 'capacity_plan_kernel', 'capacity_plan_reference',
+           'capacity_plan', 'dropless_plan', 'host_group_bounds', 'routed_swiglu_backward_kernel',
+           'routed_swiglu_backward', 'MoeExperts', 'moe_experts_triton', 'MoeRouted', 'MoeFeedForward',
+           'moe_parameter_count', 'naive_moe_loop', 'check_moe_against_loop', 'compare_triton_to_torch',
+           'check_empty_expert', 'saved_tensor_bytes', 'expert_saved_bytes', 'accumulation_gradients', 'benchmark_arms',
+           'benchmark_suite']
 
 # %% ../nbs/03_moe.ipynb #d120d79d
 import functools, math, os, sys, time
@@ -655,24 +656,35 @@ def expert_backends(dtype, device, uniform_groups, strides_aligned=True):
     else: note = f"{op} in {str(dtype).removeprefix('torch.')}, added to fp32 main_grad (fp32 output refused: {fp32_why_not})"
     return ExpertBackends(gemm, weight_grad, note)
 
-# Faster kernels for capacity groups, registered by a later module (rtrainer.moe_hopper on import): 'grouped_gemm' is
-# fn(rows, weight, capacity) returning rows @ weight[g] per group of `capacity` rows, 'grouped_gemm_swiglu' is
-# fn(rows, gate_up, capacity) returning (hidden, act) with the SwiGLU done in the GEMM's epilogue; either returns None
-# where it does not take the inputs (then bmm, and swiglu_forward, run). FAST_GEMM = False keeps bmm (a knob: the
-# benchmark's cuBLAS arm); FAST_SWIGLU = False keeps the fast GEMM but runs the SwiGLU as its own pass.
+# Faster kernels, registered by a later module (rtrainer.moe_hopper on import): 'grouped_gemm' is
+# fn(rows, weight, capacity, group_starts, group_ends, row_align) returning rows @ weight[g] per group (of `capacity`
+# rows, or with capacity 0 the dropless groups, each starting on a multiple of row_align rows), 'grouped_gemm_swiglu'
+# the same for gate_up returning (hidden, act) with the SwiGLU done in the GEMM's epilogue; either returns None where
+# it does not take the inputs (then bmm or _grouped_mm, and swiglu_forward, run). 'dropless_row_align' is fn(x)
+# returning the row multiple at which dropless groups must start for those kernels to take them (1: they would not).
+# FAST_GEMM = False keeps the library's kernels (a knob: the benchmark's cuBLAS arms); FAST_SWIGLU = False keeps the
+# fast GEMM but runs the SwiGLU as its own pass.
 FAST_PATHS = {}
 FAST_GEMM = True
 FAST_SWIGLU = True
 
-def grouped_gemm_swiglu_fast(rows, gate_up, capacity):
+def dropless_row_align(x):
+    "The row multiple at which the dropless plan starts each expert's group: the registered kernels' tile where they run on x, else 1."
+    fast = FAST_PATHS.get("dropless_row_align")
+    return fast(x) if fast and FAST_GEMM and EXPERT_GEMM in ("auto", "library") else 1
+
+def grouped_gemm_swiglu_fast(rows, gate_up, plan):
     "(hidden (R, 2FF), act (R, FF)) from the registered GEMM with the SwiGLU in its epilogue, or None (no fast path, or refused)."
-    if capacity and FAST_GEMM and FAST_SWIGLU and (fast := FAST_PATHS.get("grouped_gemm_swiglu")): return fast(rows, gate_up, capacity)
+    if (plan.capacity or plan.row_align > 1) and FAST_GEMM and FAST_SWIGLU and (fast := FAST_PATHS.get("grouped_gemm_swiglu")):
+        return fast(rows, gate_up, plan.capacity, plan.group_starts, plan.group_ends, plan.row_align)
     return None
 
-def grouped_gemm_library(rows, weight, group_starts, group_ends, capacity=0):
-    """rows @ weight[g] per group with PyTorch's kernels: bmm when every group is `capacity` rows (or the registered fast
-    path, where it takes them), else _grouped_mm; (R, N)."""
-    if capacity and FAST_GEMM and (fast := FAST_PATHS.get("grouped_gemm")) and (out := fast(rows, weight, capacity)) is not None:
+def grouped_gemm_library(rows, weight, group_starts, group_ends, capacity=0, row_align=1):
+    """rows @ weight[g] per group with PyTorch's kernels: bmm when every group is `capacity` rows, else _grouped_mm; or
+    the registered fast path where it takes the groups (capacity, or dropless groups starting on multiples of
+    row_align); (R, N)."""
+    if ((capacity or row_align > 1) and FAST_GEMM and (fast := FAST_PATHS.get("grouped_gemm"))
+            and (out := fast(rows, weight, capacity, group_starts, group_ends, row_align)) is not None):
         return out
     if capacity:
         E, K, N = weight.shape
@@ -725,6 +737,7 @@ class RoutingPlan:
     group_ends: torch.Tensor         # (E,) int32
     dropped_fraction: torch.Tensor   # () fp32
     capacity: int = 0                # rows of every group under capacity dispatch; 0 = dropless (groups of any size)
+    row_align: int = 1               # dropless: every group starts on a multiple of row_align rows (empty rows between)
 
 @triton.jit
 def capacity_plan_kernel(
@@ -797,24 +810,38 @@ def capacity_plan(top_experts, n_experts, capacity_factor):
                        group_starts=bounds[0], group_ends=bounds[1],
                        dropped_fraction=1 - kept.sum() / max(A, 1), capacity=capacity)
 
-def dropless_plan(top_experts, n_experts):
-    "The routing plan of dropless dispatch: N*k rows sorted by expert, (token, rank) order within an expert."
+def dropless_plan(top_experts, n_experts, row_align=1):
+    """The routing plan of dropless dispatch: N*k rows sorted by expert, (token, rank) order within an expert. With
+    row_align > 1 each expert's group starts on a multiple of row_align rows: the gaps (and the tail) are empty rows, as
+    capacity's unused slots, N*k + E*(row_align - 1) rows in all, a size known without reading the counts on the host."""
     N, top_k = top_experts.shape
     flat = top_experts.flatten()
     order = torch.argsort(flat, stable=True)
-    rows_of_assignment = torch.empty_like(order).scatter_(0, order, torch.arange(N * top_k, device=flat.device))
     sorted_experts, experts = flat[order], torch.arange(n_experts, device=flat.device)
     starts = torch.searchsorted(sorted_experts, experts)                 # first sorted row of each expert
     ends = torch.searchsorted(sorted_experts, experts, right=True)       # one past its last (bincount would sync)
-    return RoutingPlan(row_token=(order // top_k).to(torch.int32), row_assignment=order,
-                       assignment_rows=rows_of_assignment.view(N, top_k).to(torch.int32),
-                       group_starts=starts.to(torch.int32), group_ends=ends.to(torch.int32),
-                       dropped_fraction=torch.zeros((), device=flat.device))
+    if row_align == 1:
+        rows_of_assignment = torch.empty_like(order).scatter_(0, order, torch.arange(N * top_k, device=flat.device))
+        return RoutingPlan(row_token=(order // top_k).to(torch.int32), row_assignment=order,
+                           assignment_rows=rows_of_assignment.view(N, top_k).to(torch.int32),
+                           group_starts=starts.to(torch.int32), group_ends=ends.to(torch.int32),
+                           dropped_fraction=torch.zeros((), device=flat.device))
+    sizes = ends - starts
+    padded = (sizes + row_align - 1) // row_align * row_align
+    aligned_starts = torch.cumsum(padded, 0) - padded
+    row_of_sorted = torch.arange(N * top_k, device=flat.device) + (aligned_starts - starts)[sorted_experts]
+    row_assignment = torch.full((N * top_k + n_experts * (row_align - 1),), -1, dtype=torch.int64, device=flat.device)
+    row_assignment.scatter_(0, row_of_sorted, order)
+    rows_of_assignment = torch.empty_like(order).scatter_(0, order, row_of_sorted)
+    return RoutingPlan(row_token=torch.where(row_assignment >= 0, row_assignment // top_k, -1).to(torch.int32),
+                       row_assignment=row_assignment, assignment_rows=rows_of_assignment.view(N, top_k).to(torch.int32),
+                       group_starts=aligned_starts.to(torch.int32), group_ends=(aligned_starts + sizes).to(torch.int32),
+                       dropped_fraction=torch.zeros((), device=flat.device), row_align=row_align)
 
 def host_group_bounds(plan):
     "The E+1 row boundaries of the plan's groups as Python ints: from C under capacity, else read from the device (a sync)."
     if plan.capacity: return [e * plan.capacity for e in range(plan.group_starts.shape[0] + 1)]
-    return torch.cat([plan.group_starts[:1], plan.group_ends]).tolist()   # groups are contiguous: start[e+1] == end[e]
+    return torch.cat([plan.group_starts[:1], plan.group_ends]).tolist()   # a group's range takes the empty rows before it
 
 @triton.jit
 def routed_swiglu_backward_kernel(
@@ -859,7 +886,8 @@ def routed_swiglu_backward(dact, hidden, row_assignment, weights):
     return grad_weights
 
 def _expert_gemm(rows, weight, plan, backends, block_m, group_bounds=None):
-    if backends.gemm == "library": return grouped_gemm_library(rows, weight, plan.group_starts, plan.group_ends, plan.capacity)
+    if backends.gemm == "library":
+        return grouped_gemm_library(rows, weight, plan.group_starts, plan.group_ends, plan.capacity, plan.row_align)
     if backends.gemm == "per_expert": return grouped_gemm_per_expert(rows, weight, group_bounds)
     return grouped_gemm_triton(rows, weight, plan.group_starts, plan.group_ends, block_m)
 
@@ -878,12 +906,12 @@ def _experts_forward(ctx, x, weights, gate_up, down, plan, backends, block_m, wr
     """(y, rows, hidden): permute, gate_up GEMM, SwiGLU, down GEMM, combine; rows and hidden are what the backward keeps,
     the rest of what it needs goes on ctx."""
     bounds = host_group_bounds(plan) if "per_expert" in (backends.gemm, backends.weight_grad) else None   # dropless: a host sync
-    ctx.gate_up, ctx.down, ctx.capacity = gate_up, down, plan.capacity
+    ctx.gate_up, ctx.down, ctx.capacity, ctx.row_align = gate_up, down, plan.capacity, plan.row_align
     ctx.backends, ctx.block_m, ctx.write_main_grad = backends, block_m, write_main_grad
     ctx.group_bounds = bounds                                              # the backward reuses them: no second sync
     ctx.hidden_overwritten = False
     rows = gather_rows_triton(x, plan.row_token)                           # (R, D) token rows grouped by expert
-    fused = grouped_gemm_swiglu_fast(rows, gate_up, plan.capacity) if backends.gemm == "library" else None
+    fused = grouped_gemm_swiglu_fast(rows, gate_up, plan) if backends.gemm == "library" else None
     if fused is not None: hidden, act = fused                              # the SwiGLU done in the GEMM's epilogue
     else:
         hidden = _expert_gemm(rows, gate_up, plan, backends, block_m, bounds)  # (R, 2FF)
@@ -929,7 +957,7 @@ class MoeExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         weights, rows, hidden, *index = ctx.saved_tensors
-        plan = RoutingPlan(*index, dropped_fraction=None, capacity=ctx.capacity)
+        plan = RoutingPlan(*index, dropped_fraction=None, capacity=ctx.capacity, row_align=ctx.row_align)
         grad_rows, grad_weights, grad_gate_up, grad_down = _experts_backward(ctx, grad_y, weights, rows, hidden, plan)
         grad_x = combine_rows_triton(grad_rows, plan.assignment_rows)          # 6. each token sums its k rows' gradients
         return grad_x, grad_weights.to(weights.dtype), grad_gate_up, grad_down, None, None, None, None
@@ -950,7 +978,7 @@ class MoeRouted(torch.autograd.Function):
         probs, top_experts, top_weights = route_tokens_triton(x, router, top_k)          # one kernel, no graph here
         n_experts = router.shape[1]
         plan = (capacity_plan(top_experts, n_experts, capacity_factor) if dispatch == "capacity"
-                else dropless_plan(top_experts, n_experts))
+                else dropless_plan(top_experts, n_experts, dropless_row_align(x)))
         y, rows, hidden = _experts_forward(ctx, x, top_weights, gate_up, down, plan, _layer_backends(x, gate_up, down, plan),
                                            block_m, write_main_grad)
         ctx.save_for_backward(x, router, probs, top_experts, top_weights, rows, hidden, plan.row_token, plan.row_assignment,
@@ -961,7 +989,7 @@ class MoeRouted(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y, grad_probs, _top_experts, _dropped):
         x, router, probs, top_experts, top_weights, rows, hidden, *index = ctx.saved_tensors
-        plan = RoutingPlan(*index, dropped_fraction=None, capacity=ctx.capacity)
+        plan = RoutingPlan(*index, dropped_fraction=None, capacity=ctx.capacity, row_align=ctx.row_align)
         grad_rows, grad_weights, grad_gate_up, grad_down = _experts_backward(ctx, grad_y, top_weights, rows, hidden, plan)
         # the router by hand, one kernel: renormalization, top-k and softmax backward (plus the load-balance loss's share)
         grad_logits = router_backward_triton(grad_weights, top_weights, top_experts, probs, grad_probs)
@@ -1169,6 +1197,7 @@ BENCHMARK_ARMS = {   # arm: (dispatch, impl, knobs); the first arm is compiled, 
     "library capacity, bmm only": ("capacity", "triton", {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "auto", "FAST_GEMM": False}),
     "library capacity, separate SwiGLU": ("capacity", "triton", {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "auto", "FAST_SWIGLU": False}),
     "library dropless": ("dropless", "triton", {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "auto"}),
+    "library dropless, grouped_mm only": ("dropless", "triton", {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "auto", "FAST_GEMM": False}),
     "library dropless, grouped_mm weight grad": ("dropless", "triton", {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "library"}),
     "per-expert dropless": ("dropless", "triton", {"EXPERT_GEMM": "per_expert", "EXPERT_WEIGHT_GRAD": "per_expert"}),
 }
@@ -1241,7 +1270,8 @@ def benchmark_suite(quick=False, rounds=5):
         backends = _arm_backends(dispatch, impl, knobs, dt)
         mean = sum(ts) / len(ts)
         _, low, high = ratio_interval([b / t for b, t in zip(times[base_name], ts)])     # paired by round
-        fast_gemm = bool(backends and backends.gemm == "library" and dispatch == "capacity" and FAST_PATHS
+        takes_groups = dispatch == "capacity" or FAST_PATHS.get("dropless_row_align", lambda _: 1)(x) > 1
+        fast_gemm = bool(backends and backends.gemm == "library" and takes_groups and FAST_PATHS
                          and knobs.get("FAST_GEMM", FAST_GEMM))                  # the registered kernels took the products
         fast_swiglu = fast_gemm and "grouped_gemm_swiglu" in FAST_PATHS and bool(knobs.get("FAST_SWIGLU", FAST_SWIGLU))
         rows.append(dict(arm=name, ms=mean, ms_min=min(ts), ms_max=max(ts), tflops=flops / mean / 1e9,

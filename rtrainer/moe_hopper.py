@@ -26,24 +26,47 @@ LOADER_REGS = gl.constexpr(24)       # registers per thread of the loader warp: 
 CONSUMER_REGS = 232                  # each consumer warpgroup's
 
 @gluon.jit
-def _tile(t, tiles_m, tiles_n, GROUP_M: gl.constexpr):
-    "(expert, row tile, column tile) of tile t: experts one after another, GROUP_M row tiles sweeping the columns."
-    per_expert = tiles_m * tiles_n
-    e = t // per_expert
-    r = t % per_expert
+def _tile(t, tiles_m, tiles_n, rows_per_expert, starts_ptr, ends_ptr, n_groups, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr,
+          VARLEN: gl.constexpr):
+    """(expert, first row, column tile) of tile t: experts one after another, GROUP_M row tiles sweeping the columns.
+    Uniform groups of rows_per_expert rows, or (VARLEN) the groups [starts[e], ends[e]), each starting on a multiple of
+    BLOCK_M rows (tiles_m unused): the rows from ends[e] to the group's next multiple of BLOCK_M are computed too."""
+    if VARLEN:
+        e, first, tiles_m, r, base = 0, 0, 0, 0, 0
+        for g in range(n_groups):                                          # which group's tiles hold t
+            start = gl.load(starts_ptr + g)
+            group_tiles_m = (gl.load(ends_ptr + g) - start + BLOCK_M - 1) // BLOCK_M
+            if (t >= base) & (t < base + group_tiles_m * tiles_n):
+                e, first, tiles_m, r = g, start, group_tiles_m, t - base
+            base += group_tiles_m * tiles_n
+    else:
+        e = t // (tiles_m * tiles_n)
+        first = e * rows_per_expert
+        r = t % (tiles_m * tiles_n)
     width = GROUP_M * tiles_n
     first_m = (r // width) * GROUP_M
     size_m = gl.minimum(tiles_m - first_m, GROUP_M)
-    return e, first_m + (r % width) % size_m, (r % width) // size_m
+    return e, first + (first_m + (r % width) % size_m) * BLOCK_M, (r % width) // size_m
 
 @gluon.jit
-def _loader(a_desc, b_desc, a_smem, b_smem, ready, free, n_tiles, tiles_m, tiles_n, K, N, rows_per_expert,
-            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-            SWIGLU: gl.constexpr, TRANS_B: gl.constexpr):
+def _tile_count(n_tiles, tiles_n, starts_ptr, ends_ptr, n_groups, BLOCK_M: gl.constexpr, VARLEN: gl.constexpr):
+    "Tiles to compute: n_tiles, or (VARLEN) those of the groups' rows, read on the device (no host sync)."
+    if VARLEN:
+        n_tiles = 0
+        for g in range(n_groups):
+            start = gl.load(starts_ptr + g)
+            n_tiles += (gl.load(ends_ptr + g) - start + BLOCK_M - 1) // BLOCK_M * tiles_n
+    return n_tiles
+
+@gluon.jit
+def _loader(a_desc, b_desc, a_smem, b_smem, ready, free, n_tiles, tiles_m, tiles_n, K, N, rows_per_expert, starts_ptr, ends_ptr,
+            n_groups, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+            GROUP_M: gl.constexpr, SWIGLU: gl.constexpr, TRANS_B: gl.constexpr, VARLEN: gl.constexpr):
     HALF_N: gl.constexpr = BLOCK_N // 2
     it = 0
+    n_tiles = _tile_count(n_tiles, tiles_n, starts_ptr, ends_ptr, n_groups, BLOCK_M, VARLEN)
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        e, m, n = _tile(t, tiles_m, tiles_n, GROUP_M)
+        e, row, n = _tile(t, tiles_m, tiles_n, rows_per_expert, starts_ptr, ends_ptr, n_groups, BLOCK_M, GROUP_M, VARLEN)
         for k in range(0, K, BLOCK_K):
             slot = it % STAGES
             mbarrier.wait(free.index(slot), ((it // STAGES) & 1) ^ 1)      # a fresh barrier passes phase 1 at once
@@ -51,7 +74,7 @@ def _loader(a_desc, b_desc, a_smem, b_smem, ready, free, n_tiles, tiles_m, tiles
                 mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes)
             else:
                 mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [e * rows_per_expert + m * BLOCK_M, k], ready.index(slot), a_smem.index(slot))
+            tma.async_copy_global_to_shared(a_desc, [row, k], ready.index(slot), a_smem.index(slot))
             if TRANS_B:                                                         # w[e] stored (N, K): its (BLOCK_N, BLOCK_K) tile
                 tma.async_copy_global_to_shared(b_desc, [e * N + n * BLOCK_N, k], ready.index(slot), b_smem.index(slot))
             elif SWIGLU:                                                        # gate columns left, the matching up columns right
@@ -88,13 +111,15 @@ def _epilogue(hidden, c_smem, c_desc, act_desc, row, n, N, BLOCK_N: gl.constexpr
 
 @gluon.jit
 def _consumer(a_smem, b_smem, c_smem, c_desc, act_desc, ready, free, n_tiles, tiles_m, tiles_n, K, N, rows_per_expert,
-              CONS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-              GROUP_M: gl.constexpr, SWIGLU: gl.constexpr, TRANS_B: gl.constexpr):
+              starts_ptr, ends_ptr, n_groups, CONS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SWIGLU: gl.constexpr, TRANS_B: gl.constexpr,
+              VARLEN: gl.constexpr):
     HALF: gl.constexpr = BLOCK_M // 2
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     it = 0
+    n_tiles = _tile_count(n_tiles, tiles_n, starts_ptr, ends_ptr, n_groups, BLOCK_M, VARLEN)
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        e, m, n = _tile(t, tiles_m, tiles_n, GROUP_M)
+        e, row, n = _tile(t, tiles_m, tiles_n, rows_per_expert, starts_ptr, ends_ptr, n_groups, BLOCK_M, GROUP_M, VARLEN)
         acc = gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout)
         for k in range(0, K, BLOCK_K):
             slot = it % STAGES
@@ -109,16 +134,17 @@ def _consumer(a_smem, b_smem, c_smem, c_desc, act_desc, ready, free, n_tiles, ti
             it += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         mbarrier.arrive(free.index((it + STAGES - 1) % STAGES), count=1)
-        _epilogue(acc.to(gl.bfloat16), c_smem, c_desc, act_desc, e * rows_per_expert + m * BLOCK_M + CONS * HALF, n, N,
-                  BLOCK_N, SWIGLU)
+        _epilogue(acc.to(gl.bfloat16), c_smem, c_desc, act_desc, row + CONS * HALF, n, N, BLOCK_N, SWIGLU)
     tma.store_wait(0)
 
 @gluon.jit
 def gluon_grouped_gemm_kernel(a_desc, b_desc, c_desc, act_desc, n_tiles, tiles_m, tiles_n, K, N, rows_per_expert,
+                              starts_ptr, ends_ptr, n_groups,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                              GROUP_M: gl.constexpr, SWIGLU: gl.constexpr, TRANS_B: gl.constexpr, REGS: gl.constexpr,
-                              num_warps: gl.constexpr):
-    "out[e*C + r] = a[e*C + r] @ w[e] for uniform groups of C rows, persistent: a loader warp and two consumer warpgroups."
+                              GROUP_M: gl.constexpr, SWIGLU: gl.constexpr, TRANS_B: gl.constexpr, VARLEN: gl.constexpr,
+                              REGS: gl.constexpr, num_warps: gl.constexpr):
+    """out[r] = a[r] @ w[e] for the rows r of group e, persistent: a loader warp and two consumer warpgroups. Groups of
+    rows_per_expert rows one after another (capacity), or (VARLEN) [starts[e], ends[e]) starting on multiples of BLOCK_M."""
     HALF: gl.constexpr = BLOCK_M // 2
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     if TRANS_B:
@@ -133,11 +159,11 @@ def gluon_grouped_gemm_kernel(a_desc, b_desc, c_desc, act_desc, n_tiles, tiles_m
         mbarrier.init(free.index(i), count=2)                                 # both consumers are done with the slot
     gl.warp_specialize([
         (_consumer, (a_smem, b_smem, c_smem.index(0), c_desc, act_desc, ready, free, n_tiles, tiles_m, tiles_n, K, N, rows_per_expert,
-                     0, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SWIGLU, TRANS_B)),
+                     starts_ptr, ends_ptr, n_groups, 0, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SWIGLU, TRANS_B, VARLEN)),
         (_consumer, (a_smem, b_smem, c_smem.index(1), c_desc, act_desc, ready, free, n_tiles, tiles_m, tiles_n, K, N, rows_per_expert,
-                     1, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SWIGLU, TRANS_B)),
+                     starts_ptr, ends_ptr, n_groups, 1, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SWIGLU, TRANS_B, VARLEN)),
         (_loader, (a_desc, b_desc, a_smem, b_smem, ready, free, n_tiles, tiles_m, tiles_n, K, N, rows_per_expert,
-                   BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SWIGLU, TRANS_B)),
+                   starts_ptr, ends_ptr, n_groups, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SWIGLU, TRANS_B, VARLEN)),
     ], [4, 1], [REGS, LOADER_REGS])
 
 
@@ -149,12 +175,13 @@ def _desc(t, rows, cols):
     "2-D TMA descriptor over t in blocks of (rows, cols)."
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, cols], _block_layout(rows, cols))
 
-def hopper_gemm_refusal(rows, weight, capacity, config=GEMM_CONFIG, swiglu=False):
-    "Why the layer does not hand rows (E*C, K) @ weight (E, K, N) per group of `capacity` rows to the kernel (a short reason), or None."
+def hopper_gemm_refusal(rows, weight, capacity, config=GEMM_CONFIG, swiglu=False, row_align=0):
+    """Why the layer does not hand rows (R, K) @ weight (E, K, N) to the kernel (a short reason), or None: groups of
+    `capacity` rows, or (capacity 0) dropless groups whose starts are multiples of `row_align` rows."""
     if not ENABLED: return "disabled (RTRAINER_HOPPER_MOE=0)"
-    return _kernel_refusal(rows, weight, capacity, config, swiglu)
+    return _kernel_refusal(rows, weight, capacity, config, swiglu, row_align)
 
-def _kernel_refusal(rows, weight, capacity, config, swiglu=False):
+def _kernel_refusal(rows, weight, capacity, config, swiglu=False, row_align=0):
     "Why the kernel cannot run these operands, or None."
     block_m, block_n, block_k = config[:3]
     if not rows.is_cuda: return "not on a CUDA device"
@@ -162,8 +189,12 @@ def _kernel_refusal(rows, weight, capacity, config, swiglu=False):
     if rows.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16: return f"{rows.dtype} rows, {weight.dtype} weight, not bf16"
     if not _is_sm90(rows.device.index): return "not a Hopper (sm_90) GPU"
     (R, K), (E, K_w, N) = rows.shape, weight.shape
-    if K_w != K or R != E * capacity: return f"rows {tuple(rows.shape)} and weight {tuple(weight.shape)} are not {E} groups of {capacity}"
-    if capacity % block_m or N % block_n or K % block_k: return f"capacity {capacity}, N {N} or K {K} off the {block_m} x {block_n} x {block_k} tile"
+    if K_w != K: return f"rows {tuple(rows.shape)} and weight {tuple(weight.shape)} do not make a product"
+    if capacity:
+        if R != E * capacity: return f"rows {tuple(rows.shape)} and weight {tuple(weight.shape)} are not {E} groups of {capacity}"
+        if capacity % block_m: return f"capacity {capacity} off the {block_m}-row tile"
+    elif not row_align or row_align % block_m: return f"dropless groups start on multiples of {row_align} rows, not of {block_m}"
+    if N % block_n or K % block_k: return f"N {N} or K {K} off the {block_n} x {block_k} tile"
     if not rows.is_contiguous() or rows.data_ptr() % 16: return "rows not contiguous and 16-byte aligned"
     if not (weight.is_contiguous() or weight.transpose(1, 2).is_contiguous()) or weight.data_ptr() % 16:
         return "weight neither contiguous nor the transpose of a contiguous tensor"
@@ -171,40 +202,57 @@ def _kernel_refusal(rows, weight, capacity, config, swiglu=False):
     if swiglu and block_n % 128: return f"the SwiGLU epilogue needs BLOCK_N a multiple of 128 (64-column chunks of each half), got {block_n}"
     return None
 
-def hopper_grouped_gemm(rows, weight, config=GEMM_CONFIG, swiglu=False, out=None):
-    """(out (E*C, N), act (E*C, N/2) or None): rows (E*C, K) @ weight[e] (E, K, N) per group of C rows, bf16; weight
-    contiguous or the transpose of a contiguous (E, N, K). With swiglu, out is the layer's hidden, [gate | up] (gate
-    columns, then as many up columns), and act = silu(gate) * up of its bf16 values, as `swiglu_forward` computes it."""
-    if (why := _kernel_refusal(rows, weight, rows.shape[0] // weight.shape[0], config, swiglu)): raise ValueError(f"hopper_grouped_gemm: {why}")
-    return _launch(rows, weight, config, swiglu, out)
+def hopper_grouped_gemm(rows, weight, config=GEMM_CONFIG, swiglu=False, out=None, groups=None):
+    """(out (R, N), act (R, N/2) or None): rows @ weight[e] (E, K, N) per group, bf16; weight contiguous or the
+    transpose of a contiguous (E, N, K). Groups: R/E rows each, or groups = (starts, ends) (E,) int32 on the device,
+    every start a multiple of BLOCK_M (out's rows outside the groups' tiles are not written). With swiglu, out is the
+    layer's hidden, [gate | up] (gate columns, then as many up columns), and act = silu(gate) * up of its bf16 values,
+    as `swiglu_forward` computes it."""
+    capacity, row_align = (0, config[0]) if groups is not None else (rows.shape[0] // weight.shape[0], 0)
+    if (why := _kernel_refusal(rows, weight, capacity, config, swiglu, row_align)): raise ValueError(f"hopper_grouped_gemm: {why}")
+    return _launch(rows, weight, config, swiglu, out, groups)
 
-def _launch(rows, weight, config, swiglu, out):
+def _launch(rows, weight, config, swiglu, out, groups=None):
     "hopper_grouped_gemm on operands already checked."
     block_m, block_n, block_k, stages, group_m = config
     (R, K), (E, _, N) = rows.shape, weight.shape
     trans_b = not weight.is_contiguous()
     out = torch.empty(R, N, dtype=rows.dtype, device=rows.device) if out is None else out
     act = torch.empty(R, N // 2, dtype=rows.dtype, device=rows.device) if swiglu else None
-    tiles_m, tiles_n = R // E // block_m, N // block_n
-    n_tiles = E * tiles_m * tiles_n
+    tiles_n = N // block_n
+    if groups is None:
+        tiles_m = R // E // block_m
+        n_tiles = E * tiles_m * tiles_n
+        starts = ends = rows                                                  # not read
+    else:                                                                     # tiles counted on the device
+        tiles_m, (starts, ends) = 0, groups
+        n_tiles = (triton.cdiv(R, block_m) + E) * tiles_n                    # at most: sizes the grid only
     out_cols = block_n // 2 if swiglu else block_n                           # swiglu: gate and up leave as separate blocks
     b_desc = (_desc(weight.transpose(1, 2).reshape(E * N, K), block_n, block_k) if trans_b
               else _desc(weight.reshape(E * K, N), block_k, out_cols))
     gluon_grouped_gemm_kernel[(min(n_tiles, _sm_count(rows.device.index)),)](
         _desc(rows, block_m, block_k), b_desc, _desc(out, block_m // 2, out_cols),
         _desc(act if swiglu else out, block_m // 2, block_n // 2),            # not written without swiglu
-        n_tiles, tiles_m, tiles_n, K, N, R // E, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
-        GROUP_M=group_m, SWIGLU=swiglu, TRANS_B=trans_b, REGS=CONSUMER_REGS, num_warps=4)
+        n_tiles, tiles_m, tiles_n, K, N, R // E, starts, ends, E, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        STAGES=stages, GROUP_M=group_m, SWIGLU=swiglu, TRANS_B=trans_b, VARLEN=groups is not None, REGS=CONSUMER_REGS,
+        num_warps=4)
     return out, act
 
-def _fast_grouped_gemm(rows, weight, capacity):
-    if hopper_gemm_refusal(rows, weight, capacity): return None
-    CALLS["transposed" if not weight.is_contiguous() else "plain"] += 1
-    return _launch(rows, weight, GEMM_CONFIG, False, None)[0]                # checked once, by the refusal
+def _fast_grouped_gemm(rows, weight, capacity, group_starts, group_ends, row_align):
+    if hopper_gemm_refusal(rows, weight, capacity, row_align=row_align): return None
+    CALLS[("transposed" if not weight.is_contiguous() else "plain") + ("" if capacity else " dropless")] += 1
+    return _launch(rows, weight, GEMM_CONFIG, False, None, None if capacity else (group_starts, group_ends))[0]   # checked once
 
-def _fast_grouped_gemm_swiglu(rows, gate_up, capacity):
-    if hopper_gemm_refusal(rows, gate_up, capacity, swiglu=True): return None
-    CALLS["swiglu"] += 1
-    return _launch(rows, gate_up, GEMM_CONFIG, True, None)
+def _fast_grouped_gemm_swiglu(rows, gate_up, capacity, group_starts, group_ends, row_align):
+    if hopper_gemm_refusal(rows, gate_up, capacity, swiglu=True, row_align=row_align): return None
+    CALLS["swiglu" + ("" if capacity else " dropless")] += 1
+    return _launch(rows, gate_up, GEMM_CONFIG, True, None, None if capacity else (group_starts, group_ends))
 
-FAST_PATHS.update(grouped_gemm=_fast_grouped_gemm, grouped_gemm_swiglu=_fast_grouped_gemm_swiglu)
+def _dropless_row_align(x):
+    "BLOCK_M where the kernel would run on x's rows (a CUDA bf16 tensor on a Hopper GPU), else 1."
+    ok = ENABLED and x.is_cuda and not INTERPRETING and x.dtype == torch.bfloat16 and _is_sm90(x.device.index)
+    return GEMM_CONFIG[0] if ok else 1
+
+FAST_PATHS.update(grouped_gemm=_fast_grouped_gemm, grouped_gemm_swiglu=_fast_grouped_gemm_swiglu,
+                  dropless_row_align=_dropless_row_align)
+

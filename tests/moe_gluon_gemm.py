@@ -42,24 +42,26 @@ SMOKE_TIMEOUT_S = 90
 CONFIGS = [(128, 256, 64, 3, 8), (128, 128, 64, 5, 8), (128, 256, 64, 3, 16)]
 SWIGLU_CONFIGS = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8)]
 
-def _compile_sm90(config, swiglu, trans_b=False):
+def _compile_sm90(config, swiglu, trans_b=False, varlen=False):
     "Compile for sm_90 without a GPU: ((registers, spills), shared memory bytes)."
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from sm90_compile import compile_gluon_sm90
     block_m, block_n, block_k, stages, group_m = config
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, GROUP_M=group_m, SWIGLU=swiglu,
-                  TRANS_B=trans_b, REGS=CONSUMER_REGS, num_warps=4)
+                  TRANS_B=trans_b, VARLEN=varlen, REGS=CONSUMER_REGS, num_warps=4)
     out_cols = block_n // 2 if swiglu else block_n
     descs = dict(a_desc=(block_m, block_k), b_desc=(block_n, block_k) if trans_b else (block_k, out_cols),
                  c_desc=(block_m // 2, out_cols), act_desc=(block_m // 2, block_n // 2))
-    usage, shared, _ = compile_gluon_sm90(gluon_grouped_gemm_kernel, consts, descs, warps=4)
+    types = dict(starts_ptr="*i32", ends_ptr="*i32")
+    usage, shared, _ = compile_gluon_sm90(gluon_grouped_gemm_kernel, consts, descs, warps=4, types=types,
+                                          hints=["K", "N", "rows_per_expert", "starts_ptr", "ends_ptr"])   # as at the moe4b shapes
     return usage, shared
 
 def compile_check():
     for swiglu, trans_b, configs in ((False, False, CONFIGS), (True, False, SWIGLU_CONFIGS), (False, True, CONFIGS)):
-        for config in configs:
-            what = f"swiglu={swiglu} trans_b={trans_b} {config}"
-            try: (regs, spills), smem = _compile_sm90(config, swiglu, trans_b); print(f"{what}: {regs} registers, spills {spills}, shared {smem} bytes")
+        for config, varlen in [(c, False) for c in configs] + [(configs[0], True)]:
+            what = f"swiglu={swiglu} trans_b={trans_b} varlen={varlen} {config}"
+            try: (regs, spills), smem = _compile_sm90(config, swiglu, trans_b, varlen); print(f"{what}: {regs} registers, spills {spills}, shared {smem} bytes")
             except Exception as exc: print(f"{what}: does not compile: {str(exc).splitlines()[0][:300]}")
 
 def _problem(K, N, rows=C, seed=0, transposed=False):

@@ -27,10 +27,10 @@ def ptxas_usage(ptx):
     registers, spilled = re.search(r"Used (\d+) registers", out), re.search(r"(\d+) bytes spill stores", out)
     return (int(registers.group(1)) if registers else None), (int(spilled.group(1)) if spilled else None)
 
-def compile_gluon_sm90(kernel, constexprs, descs, warps, types=None):
+def compile_gluon_sm90(kernel, constexprs, descs, warps, types=None, hints=()):
     """A Gluon kernel compiled for sm_90 without a GPU: ((registers, spilled bytes), shared memory bytes, PTX). `descs`
     gives the (rows, cols) bf16 block of each tensor-descriptor parameter, `types` the type of each other parameter
-    that is not an i32 (e.g. {"LSE": "*fp32"})."""
+    that is not an i32 (e.g. {"LSE": "*fp32"}), `hints` the parameters the launcher would see divisible by 16."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -39,7 +39,8 @@ def compile_gluon_sm90(kernel, constexprs, descs, warps, types=None):
     sig = {p: "constexpr" if p in constexprs else
            f"tensordesc<bf16[{descs[p][0]}, {descs[p][1]}],{layout(descs[p])!r}>" if p in descs else (types or {}).get(p, "i32")
            for p in params}
-    src = GluonASTSource(kernel, sig, constexprs={(params.index(n),): v for n, v in constexprs.items()})
+    src = GluonASTSource(kernel, sig, constexprs={(params.index(n),): v for n, v in constexprs.items()},
+                         attrs={(params.index(p),): [["tt.divisibility", 16]] for p in hints})
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
     return ptxas_usage(c.asm["ptx"]), c.metadata.shared, c.asm["ptx"]
 

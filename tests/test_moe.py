@@ -348,7 +348,7 @@ def test_library_layer_matches_float64_reference(dispatch, capacity_factor, weig
 def test_capacity_layer_takes_a_registered_swiglu_gemm(monkeypatch, act_scale):
     "The capacity layer hands gate_up and the SwiGLU to FAST_PATHS['grouped_gemm_swiglu'] and runs on what it returns."
     calls = []
-    def fused(rows, gate_up, capacity):                       # an exact stand-in for the Hopper kernel, act scaled
+    def fused(rows, gate_up, capacity, group_starts, group_ends, row_align):   # an exact stand-in for the Hopper kernel, act scaled
         calls.append(capacity)
         E, K, N = gate_up.shape
         hidden = torch.bmm(rows.view(E, capacity, K), gate_up).view(E * capacity, N)
@@ -363,6 +363,36 @@ def test_capacity_layer_takes_a_registered_swiglu_gemm(monkeypatch, act_scale):
         calls.clear()
         with knob_values(moe, {"FAST_SWIGLU": False}): compare_triton_to_torch(20, 24, 5, 2, 29, "capacity", 1.0, device=DEVICE, block_m=16)
         assert calls == []
+
+def test_dropless_plan_row_align():
+    "Groups start on multiples of row_align, the same rows in the same order as the packed plan, empty rows between."
+    top_experts = _uneven_routing(37, 5, 2, seed=3)                             # the last expert takes no rows
+    packed, aligned = dropless_plan(top_experts, 5), dropless_plan(top_experts, 5, row_align=8)
+    assert aligned.row_align == 8 and aligned.row_assignment.shape == (37 * 2 + 5 * 7,)
+    assert torch.equal(aligned.group_starts % 8, torch.zeros(5, dtype=torch.int32))
+    assert torch.equal(aligned.group_ends - aligned.group_starts, packed.group_ends - packed.group_starts)
+    for e in range(5):
+        a0, a1, p0, p1 = aligned.group_starts[e], aligned.group_ends[e], packed.group_starts[e], packed.group_ends[e]
+        assert torch.equal(aligned.row_assignment[a0:a1], packed.row_assignment[p0:p1])
+        assert torch.equal(aligned.row_token[a0:a1], packed.row_token[p0:p1])
+    used = aligned.row_assignment >= 0
+    assert used.sum() == 37 * 2 and torch.equal(aligned.row_token[~used], torch.full_like(aligned.row_token[~used], -1))
+    rows = aligned.assignment_rows.flatten().long()
+    assert torch.equal(aligned.row_assignment[rows], torch.arange(37 * 2))        # each assignment's row holds it
+
+@needs_kernels
+@pytest.mark.parametrize("gemm,weight_grad", [("library", "library"), ("library", "triton"), ("library", "per_expert"), ("auto", "auto")])
+def test_aligned_dropless_layer_matches_float64_reference(monkeypatch, gemm, weight_grad):
+    """A registered kernel asks for dropless groups on multiples of 8 rows: the layer plans them so, and its math holds
+    on every backend (auto on a CPU: the Triton kernels, which leave the empty rows between groups unwritten)."""
+    if gemm == "library" and not GROUPED_MM_ON_CPU: pytest.skip("torch._grouped_mm does not run on this CPU")
+    asked = []
+    monkeypatch.setitem(moe.FAST_PATHS, "dropless_row_align", lambda x: asked.append(x.shape) or 8)
+    with knob_values(moe, {"EXPERT_GEMM": gemm, "EXPERT_WEIGHT_GRAD": weight_grad}):
+        errors = compare_triton_to_torch(20, 24, 5, 2, 29, "dropless", shared_expert_d_ff=8, device=DEVICE, block_m=16)
+    assert asked == [(29, 20)], asked
+    print(gemm, weight_grad, errors)
+    assert max(errors.values()) < 1e-4, errors
 
 @needs_kernels
 @pytest.mark.parametrize("dispatch,capacity_factor,shared,top_k", [("dropless", 1.0, 8, 2), ("dropless", 1.0, 0, 3),
@@ -594,6 +624,6 @@ def test_triton_layer_refuses_float64():
 
 def test_benchmark_arms_quick_leaves_out_max_autotune_only():
     full, quick = moe.benchmark_arms(), moe.benchmark_arms(quick=True)
-    assert list(full) == list(moe.BENCHMARK_ARMS) and len(full) == 11
+    assert list(full) == list(moe.BENCHMARK_ARMS) and len(full) == 12
     assert [n for n in full if n not in quick] == ["torch.compile max-autotune capacity"]
     assert next(iter(quick)) == "torch.compile capacity" and moe.COMPILE_MODES["torch.compile capacity"] == "default"

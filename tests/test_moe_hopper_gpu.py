@@ -1,4 +1,4 @@
-"GPU checks of the Hopper MoE GEMM (03a): the Gluon grouped GEMM against float64, its SwiGLU epilogue, the bf16 capacity layer that takes it."
+"GPU checks of the Hopper MoE GEMM (03a): the Gluon grouped GEMM against float64 (uniform and aligned dropless groups), its SwiGLU epilogue, the bf16 layers that take it."
 import pytest, torch
 if not torch.cuda.is_available(): pytest.skip("needs a CUDA GPU", allow_module_level=True)
 if torch.cuda.get_device_capability()[0] != 9: pytest.skip("the Gluon kernel is for Hopper (sm_90)", allow_module_level=True)
@@ -39,6 +39,33 @@ def test_hopper_swiglu_epilogue(E, C, K, FF):
     assert rel(act, torch.nn.functional.silu(gate) * up) < 5e-3
     assert torch.equal(act, swiglu_forward(hidden))                          # the bits the separate pass writes
 
+def _aligned_groups(sizes, align=128, tail=100):
+    "(starts, ends) int32 on the GPU for groups of `sizes` rows starting on multiples of align, and the rows they span."
+    padded = [(n + align - 1) // align * align for n in sizes]
+    starts = [sum(padded[:e]) for e in range(len(sizes))]
+    ends = [s + n for s, n in zip(starts, sizes)]
+    as_tensor = lambda v: torch.tensor(v, dtype=torch.int32, device="cuda")
+    return as_tensor(starts), as_tensor(ends), sum(padded) + tail
+
+@pytest.mark.parametrize("swiglu,transposed", [(False, False), (False, True), (True, False)])
+@pytest.mark.parametrize("sizes,K,N", [([300, 0, 128, 1], 192, 512), ([5000], 64, 256), ([77, 129, 0, 256, 640, 3, 1000, 12], 320, 768)])
+def test_hopper_grouped_gemm_aligned_groups(sizes, K, N, swiglu, transposed):
+    "Dropless groups of any size (empty ones too) starting on multiples of BLOCK_M: every group row against float64."
+    torch.manual_seed(len(sizes) + K)
+    E = len(sizes)
+    starts, ends, R = _aligned_groups(sizes)
+    rows = torch.randn(R, K, device="cuda").bfloat16()
+    weight = (torch.randn(E, N, K, device="cuda").transpose(1, 2) if transposed else torch.randn(E, K, N, device="cuda")).bfloat16() / K ** 0.5
+    assert moe_hopper.hopper_gemm_refusal(rows, weight, 0, swiglu=swiglu, row_align=128) is None
+    out = torch.full((R, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out, act = moe_hopper.hopper_grouped_gemm(rows, weight, swiglu=swiglu, out=out, groups=(starts, ends))
+    for e, (s, t) in enumerate(zip(starts.tolist(), ends.tolist())):
+        if s == t: continue
+        want = rows[s:t].double() @ weight[e].double()
+        assert not out[s:t].isnan().any() and rel(out[s:t], want) < 5e-3, (e, rel(out[s:t], want))
+        if swiglu: assert torch.equal(act[s:t], swiglu_forward(out[s:t]))
+    assert out[R - 100:].isnan().all()                                         # past the last group's tiles: not written
+
 def test_hopper_refusals():
     rows, weight = torch.zeros(2 * 128, 128, device="cuda", dtype=torch.bfloat16), torch.zeros(2, 128, 256, device="cuda", dtype=torch.bfloat16)
     assert moe_hopper.hopper_gemm_refusal(rows, weight, 128) is None
@@ -50,14 +77,19 @@ def test_hopper_refusals():
     assert moe_hopper.hopper_gemm_refusal(rows, transposed, 128) is None
     assert "contiguous" in moe_hopper.hopper_gemm_refusal(rows, transposed, 128, swiglu=True)
     assert "multiple of 128" in moe_hopper.hopper_gemm_refusal(rows, weight, 128, config=(128, 64, 64, 3, 8), swiglu=True)
+    assert "not of 128" in moe_hopper.hopper_gemm_refusal(rows, weight, 0, row_align=64)
+    assert moe_hopper.hopper_gemm_refusal(rows, weight, 0, row_align=256) is None
+    assert moe_hopper._dropless_row_align(rows) == 128 and moe_hopper._dropless_row_align(rows.float()) == 1
 
+@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
 @pytest.mark.parametrize("knobs,calls,swiglu_calls", [({}, 4, 1), ({"FAST_SWIGLU": False}, 4, 0), ({"FAST_GEMM": False}, 0, 0)])
-def test_bf16_capacity_layer_takes_the_hopper_gemm(knobs, calls, swiglu_calls):
-    "4,096 tokens, top-2 of 8 experts (capacity 1,024): the two forward and two input-gradient products take the kernel."
+def test_bf16_layer_takes_the_hopper_gemm(knobs, calls, swiglu_calls, dispatch):
+    """4,096 tokens, top-2 of 8 experts (capacity 1,024; dropless: groups aligned to 128 rows): the two forward and two
+    input-gradient products take the kernel."""
     torch.manual_seed(1)
     N, D, FF, E, k = 4096, 512, 512, 8, 2
-    layer = MoeFeedForward(D, FF, E, k, dispatch="capacity", impl="triton", dtype=torch.bfloat16, device="cuda")
-    oracle = MoeFeedForward(D, FF, E, k, dispatch="capacity", impl="torch", dtype=torch.float64, device="cuda")
+    layer = MoeFeedForward(D, FF, E, k, dispatch=dispatch, impl="triton", dtype=torch.bfloat16, device="cuda")
+    oracle = MoeFeedForward(D, FF, E, k, dispatch=dispatch, impl="torch", dtype=torch.float64, device="cuda")
     with torch.no_grad():
         layer.router.normal_(std=0.5)                                         # no near-ties (see test_moe_gpu.check_bf16_layer)
         for p64, p in zip(oracle.parameters(), layer.parameters()): p64.copy_(p.double())
@@ -66,10 +98,11 @@ def test_bf16_capacity_layer_takes_the_hopper_gemm(knobs, calls, swiglu_calls):
     probe = torch.randn(N, D, device="cuda", dtype=torch.float64)
     for p in layer.parameters(): p.main_grad = torch.full(p.shape, float("nan"), device="cuda")
     start_gradient_step(layer.parameters())
-    before, swiglu_before = sum(moe_hopper.CALLS.values()), moe_hopper.CALLS["swiglu"]
+    swiglu_key = "swiglu" if dispatch == "capacity" else "swiglu dropless"
+    before, swiglu_before = sum(moe_hopper.CALLS.values()), moe_hopper.CALLS[swiglu_key]
     with knob_values(moe, {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "library", **knobs}):
         y = layer(x); ((y.double() * probe).sum() + 0.37 * layer.last_stats["load_balance_loss"].double()).backward()
-    assert sum(moe_hopper.CALLS.values()) - before == calls and moe_hopper.CALLS["swiglu"] - swiglu_before == swiglu_calls
+    assert sum(moe_hopper.CALLS.values()) - before == calls and moe_hopper.CALLS[swiglu_key] - swiglu_before == swiglu_calls
     y64 = oracle(x64); ((y64 * probe).sum() + 0.37 * oracle.last_stats["load_balance_loss"]).backward()
     assert torch.equal(layer.last_stats["expert_load"], oracle.last_stats["expert_load"].float())
     errors = dict(y=rel(y, y64), x=rel(x.grad, x64.grad),
