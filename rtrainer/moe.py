@@ -676,11 +676,8 @@ def dropless_row_align(x):
     return fast(x) if fast and FAST_GEMM and EXPERT_GEMM in ("auto", "library") else 1
 
 def weight_grad_fast(rows, grad_out, plan, backends, out, accumulate):
-    """True where the registered kernel wrote (or added) the weight gradient into out: aligned dropless groups under the
-    library GEMMs, in place of the Triton fp32 kernel (what `auto` picks there; a "library" or "per_expert" weight
-    gradient asked for by name still runs)."""
-    if (plan.row_align > 1 and backends.gemm == "library" and backends.weight_grad == "triton" and FAST_GEMM
-            and (fast := FAST_PATHS.get("grouped_gemm_weight_grad"))):
+    "True where the registered kernel wrote (or added) the weight gradient into out: aligned dropless groups, library GEMMs."
+    if plan.row_align > 1 and backends.gemm == "library" and FAST_GEMM and (fast := FAST_PATHS.get("grouped_gemm_weight_grad")):
         return fast(rows, grad_out, plan.group_starts, plan.group_ends, out, accumulate, plan.row_align)
     return False
 

@@ -125,7 +125,7 @@ def test_bf16_layer_takes_the_hopper_gemm(knobs, calls, swiglu_calls, dispatch):
     start_gradient_step(layer.parameters())
     swiglu_key = "swiglu" if dispatch == "capacity" else "swiglu dropless"
     before, swiglu_before = sum(moe_hopper.CALLS.values()), moe_hopper.CALLS[swiglu_key]
-    with knob_values(moe, {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "auto", **knobs}):
+    with knob_values(moe, {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "library", **knobs}):
         y = layer(x); ((y.double() * probe).sum() + 0.37 * layer.last_stats["load_balance_loss"].double()).backward()
     calls += 2 if dispatch == "dropless" and calls else 0                     # and the two weight gradients
     assert sum(moe_hopper.CALLS.values()) - before == calls and moe_hopper.CALLS[swiglu_key] - swiglu_before == swiglu_calls
