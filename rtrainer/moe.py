@@ -16,7 +16,7 @@ __all__ = ['GROUPED_GEMM_BLOCK_M', 'ROW_BLOCK', 'TMA_WGRAD_CONFIG', 'INTERPRET_T
            'combine_rows_kernel', 'gather_rows_triton', 'combine_rows_triton', 'router_logits_kernel',
            'router_grad_w_kernel', 'router_backward_kernel', 'router_logits_triton', 'route_tokens_triton',
            'router_backward_triton', 'router_weight_grad_triton', 'router_parity_errors', 'library_support',
-           'ExpertBackends', 'expert_backends', 'dropless_row_align', 'weight_grad_fast', 'grouped_gemm_swiglu_fast',
+           'ExpertBackends', 'expert_backends', 'dropless_row_align', 'grouped_gemm_swiglu_fast',
            'grouped_gemm_library', 'grouped_gemm_weight_grad_library', 'grouped_gemm_per_expert',
            'grouped_gemm_weight_grad_per_expert', 'RoutingPlan', 'capacity_plan_kernel', 'capacity_plan_reference',
            'capacity_plan', 'dropless_plan', 'host_group_bounds', 'routed_swiglu_backward_kernel',
@@ -661,9 +661,7 @@ def expert_backends(dtype, device, uniform_groups, strides_aligned=True):
 # rows, or with capacity 0 the dropless groups, each starting on a multiple of row_align rows), 'grouped_gemm_swiglu'
 # the same for gate_up returning (hidden, act) with the SwiGLU done in the GEMM's epilogue; either returns None where
 # it does not take the inputs (then bmm or _grouped_mm, and swiglu_forward, run). 'dropless_row_align' is fn(x)
-# returning the row multiple at which dropless groups must start for those kernels to take them (1: they would not),
-# and 'grouped_gemm_weight_grad' is fn(rows, grad_out, group_starts, group_ends, out, accumulate, row_align), which
-# writes (or adds) the weight gradient of such aligned dropless groups into fp32 `out` and returns True, or False.
+# returning the row multiple at which dropless groups must start for those kernels to take them (1: they would not).
 # FAST_GEMM = False keeps the library's kernels (a knob: the benchmark's cuBLAS arms); FAST_SWIGLU = False keeps the
 # fast GEMM but runs the SwiGLU as its own pass.
 FAST_PATHS = {}
@@ -674,12 +672,6 @@ def dropless_row_align(x):
     "The row multiple at which the dropless plan starts each expert's group: the registered kernels' tile where they run on x, else 1."
     fast = FAST_PATHS.get("dropless_row_align")
     return fast(x) if fast and FAST_GEMM and EXPERT_GEMM in ("auto", "library") else 1
-
-def weight_grad_fast(rows, grad_out, plan, backends, out, accumulate):
-    "True where the registered kernel wrote (or added) the weight gradient into out: aligned dropless groups, library GEMMs."
-    if plan.row_align > 1 and backends.gemm == "library" and FAST_GEMM and (fast := FAST_PATHS.get("grouped_gemm_weight_grad")):
-        return fast(rows, grad_out, plan.group_starts, plan.group_ends, out, accumulate, plan.row_align)
-    return False
 
 def grouped_gemm_swiglu_fast(rows, gate_up, plan):
     "(hidden (R, 2FF), act (R, FF)) from the registered GEMM with the SwiGLU in its epilogue, or None (no fast path, or refused)."
@@ -902,8 +894,7 @@ def _expert_gemm(rows, weight, plan, backends, block_m, group_bounds=None):
 def _expert_weight_grad(rows, grad_out, weight, plan, backends, write_main_grad, group_bounds=None):
     "Write (or accumulate) weight's fp32 gradient into weight.main_grad and return None, or return it in weight's dtype."
     buf, overwrite = weight_grad_buffer(weight, write_main_grad)
-    if weight_grad_fast(rows, grad_out, plan, backends, buf, not overwrite): pass   # the registered kernel wrote it
-    elif backends.weight_grad == "library":
+    if backends.weight_grad == "library":
         grouped_gemm_weight_grad_library(rows, grad_out, plan.group_starts, plan.group_ends, buf, not overwrite, plan.capacity)
     elif backends.weight_grad == "per_expert":
         grouped_gemm_weight_grad_per_expert(rows, grad_out, group_bounds, buf, accumulate=not overwrite)

@@ -41,7 +41,6 @@ SMOKE_TIMEOUT_S = 90
 # (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M): BLOCK_M rows are split between the two consumer warpgroups
 CONFIGS = [(128, 256, 64, 3, 8), (128, 128, 64, 5, 8), (128, 256, 64, 3, 16)]
 SWIGLU_CONFIGS = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8)]
-WEIGHT_GRAD_CONFIGS = [(128, 256, 64, 4, 8), (128, 256, 64, 3, 8)]
 
 def _compile_sm90(config, swiglu, trans_b=False, varlen=False):
     "Compile for sm_90 without a GPU: ((registers, spills), shared memory bytes)."
@@ -58,23 +57,7 @@ def _compile_sm90(config, swiglu, trans_b=False, varlen=False):
                                           hints=["K", "N", "rows_per_expert", "starts_ptr", "ends_ptr"])   # as at the moe4b shapes
     return usage, shared
 
-def _compile_weight_grad_sm90(config):
-    "The weight-gradient kernel compiled for sm_90 without a GPU: ((registers, spills), shared memory bytes)."
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from sm90_compile import compile_gluon_sm90
-    from rtrainer.moe_hopper import gluon_weight_grad_kernel
-    block_m, block_n, block_k, stages, group_m = config
-    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, GROUP_M=group_m, ACCUMULATE=True,
-                  REGS=CONSUMER_REGS, num_warps=4)
-    types = dict(out_ptr="*fp32", starts_ptr="*i32", ends_ptr="*i32")
-    usage, shared, _ = compile_gluon_sm90(gluon_weight_grad_kernel, consts, dict(a_desc=(block_k, block_m // 2), b_desc=(block_k, block_n)),
-                                          warps=4, types=types, hints=["Kd", "N", *types])
-    return usage, shared
-
 def compile_check():
-    for config in WEIGHT_GRAD_CONFIGS:
-        try: (regs, spills), smem = _compile_weight_grad_sm90(config); print(f"weight grad {config}: {regs} registers, spills {spills}, shared {smem} bytes")
-        except Exception as exc: print(f"weight grad {config}: does not compile: {str(exc).splitlines()[0][:300]}")
     for swiglu, trans_b, configs in ((False, False, CONFIGS), (True, False, SWIGLU_CONFIGS), (False, True, CONFIGS)):
         for config, varlen in [(c, False) for c in configs] + [(configs[0], True)]:
             what = f"swiglu={swiglu} trans_b={trans_b} varlen={varlen} {config}"
@@ -112,51 +95,6 @@ def smoke():
             out, act = hopper_grouped_gemm(a, w, config, swiglu=kind == 1)
             torch.cuda.synchronize()
             print(f"SMOKE {kind} {i} ok {_check(a, w, out, act):.2e}", flush=True)
-    from rtrainer.moe_hopper import hopper_weight_grad
-    for i, config in enumerate(WEIGHT_GRAD_CONFIGS):                       # kind 3: the weight gradient
-        print(f"SMOKE 3 {i} started", flush=True)
-        a, g = torch.randn(2 * 256, 128, device="cuda").bfloat16(), torch.randn(2 * 256, 256, device="cuda").bfloat16()
-        starts = torch.tensor([0, 256], dtype=torch.int32, device="cuda")
-        out = hopper_weight_grad(a, g, starts, starts + 256, torch.empty(2, 128, 256, device="cuda"), config=config)
-        torch.cuda.synchronize()
-        want = a[256:].double().T @ g[256:].double()
-        print(f"SMOKE 3 {i} ok {((out[1].double() - want).norm() / want.norm()).item():.2e}", flush=True)
-
-def weight_grad_arms(payload, alive):
-    """The two weight gradients at the capacity shapes, fp32 out: cuBLAS's bmm (what the capacity layer runs), the
-    Triton TMA kernel (what dropless ran) and the Gluon kernel (what aligned dropless groups run now), each checked
-    against float64 on 512 columns of the first and last expert, then timed as the products are."""
-    from rtrainer.kernels import median_ms, ratio_interval, alternation
-    from rtrainer.moe import grouped_gemm_weight_grad_triton
-    from rtrainer.moe_hopper import hopper_weight_grad
-    starts = torch.arange(E, dtype=torch.int32, device="cuda") * C
-    for name, Kd, N in (("gate_up wgrad", D, 2 * FF), ("down wgrad", FF, D)):
-        g = torch.Generator(device="cuda").manual_seed(2)
-        a = torch.randn(E * C, Kd, device="cuda", generator=g).bfloat16()
-        grad = torch.randn(E * C, N, device="cuda", generator=g).bfloat16()
-        out = torch.empty(E, Kd, N, device="cuda")
-        arms = {"cublas bmm": lambda: torch.bmm(a.view(E, C, Kd).transpose(1, 2), grad.view(E, C, N), out_dtype=torch.float32, out=out),
-                "triton tma weight grad": lambda: grouped_gemm_weight_grad_triton(a, grad, starts, starts + C, out=out)}
-        for i, config in enumerate(WEIGHT_GRAD_CONFIGS):
-            if (3, i) not in alive: continue
-            hopper_weight_grad(a, grad, starts, starts + C, out, config=config)
-            errs = []
-            for e in (0, E - 1):
-                want = a[e * C:(e + 1) * C].double().T @ grad[e * C:(e + 1) * C, :512].double()
-                errs.append(((out[e, :, :512].double() - want).norm() / want.norm()).item())
-            payload["rows"].append(dict(gemm=name, arm=f"gluon weight grad {config}", check_rel_error=max(errs)))
-            print(name, config, "check", f"{max(errs):.2e}", flush=True)
-            if max(errs) < 1e-4: arms[f"gluon weight grad {config}"] = lambda config=config: hopper_weight_grad(a, grad, starts, starts + C, out, config=config)
-        for fn in arms.values(): fn()
-        times = {arm: [] for arm in arms}
-        for r in range(ROUNDS):
-            for arm in alternation(arms, r): times[arm].append(median_ms(arms[arm]))
-        for arm, ts in times.items():
-            mean, low, high = ratio_interval([b / t for b, t in zip(times["cublas bmm"], ts)])
-            ms = sum(ts) / len(ts)
-            payload["rows"].append(dict(gemm=name, arm=arm, ms=ms, tflops=2 * E * C * Kd * N / ms / 1e9, speed_vs_cublas=mean,
-                                        ci95_low=low, ci95_high=high))
-        del a, grad, out
 
 def gpu_main():
     from rtrainer.kernels import median_ms, ratio_interval, alternation
@@ -169,7 +107,7 @@ def gpu_main():
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         note = f"hung: stopped after {SMOKE_TIMEOUT_S} s"
-    alive = {(int(s), int(i)) for s, i in re.findall(r"SMOKE (\d) (\d+) ok", out)}   # (0 plain, 1 swiglu, 2 transposed, 3 weight grad, config)
+    alive = {(int(s), int(i)) for s, i in re.findall(r"SMOKE (\d) (\d+) ok", out)}   # (0 plain, 1 swiglu, 2 transposed, config)
     payload["smoke"] = dict(alive=sorted(alive), note=note, out=out[-2000:])
     print("smoke:", sorted(alive), note, out[-800:], flush=True)
     for name, K, N, transposed in (("gate_up", D, 2 * FF, False), ("down", FF, D, False), ("down dgrad", D, FF, True),
@@ -201,7 +139,6 @@ def gpu_main():
             mean, low, high = ratio_interval([b / t for b, t in zip(base, ts)])
             ms = sum(ts) / len(ts)
             payload["rows"].append(dict(gemm=name, arm=arm, ms=ms, tflops=flops / ms / 1e9, speed_vs_cublas=mean, ci95_low=low, ci95_high=high))
-    weight_grad_arms(payload, alive)
     print(f"\n{'gemm':8s} {'arm':52s} {'ms':>7s} {'TFLOP/s':>8s} {'vs cuBLAS':>10s} {'95% interval':>16s}")
     for row in payload["rows"]:
         if "ms" in row:

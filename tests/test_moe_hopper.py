@@ -11,7 +11,6 @@ def test_registers_itself_in_the_moe_fast_paths():
     assert moe.FAST_PATHS["grouped_gemm"] is moe_hopper._fast_grouped_gemm
     assert moe.FAST_PATHS["grouped_gemm_swiglu"] is moe_hopper._fast_grouped_gemm_swiglu
     assert moe.FAST_PATHS["dropless_row_align"] is moe_hopper._dropless_row_align
-    assert moe.FAST_PATHS["grouped_gemm_weight_grad"] is moe_hopper._fast_weight_grad
 
 def test_cpu_operands_are_refused_and_take_bmm():
     torch.manual_seed(0)
@@ -43,6 +42,3 @@ def test_dropless_alignment_only_where_the_kernel_runs():
     assert moe.dropless_row_align(torch.zeros(4, 64, dtype=torch.bfloat16)) == 1   # CPU: packed groups
     rows, weight = torch.zeros(256, 64, dtype=torch.bfloat16), torch.zeros(2, 64, 256, dtype=torch.bfloat16)
     assert moe_hopper.hopper_gemm_refusal(rows, weight, 0, row_align=64).startswith("not on a CUDA")
-    out = torch.zeros(2, 64, 256)
-    assert moe_hopper.weight_grad_refusal(rows, torch.zeros(256, 256, dtype=torch.bfloat16), out, 128) == "not on a CUDA device"
-    assert not moe_hopper._fast_weight_grad(rows, torch.zeros(256, 256, dtype=torch.bfloat16), None, None, out, False, 128)
