@@ -7,13 +7,14 @@ Docs: https://example.invalid/rtrainer/rtrainer/moe.html.md"""
 # %% auto #0
 __all__ = ['GROUPED_GEMM_BLOCK_M', 'ROW_BLOCK', 'TMA_WGRAD_CONFIG', 'INTERPRET_TMA_WGRAD_CONFIG', 'TMA_ALIGNMENT',
            'TMA_WGRAD_LAUNCH', 'COMBINE_ROUTER_TILE', 'ROUTER_BLOCK_ROWS', 'ROUTER_BLOCK_COLS', 'ROUTER_CHUNK_ROWS',
-           'EXPERT_GEMM', 'EXPERT_WEIGHT_GRAD', 'EXPERT_BACKENDS', 'MOE_KNOBS', 'FAST_PATHS', 'FAST_GEMM',
-           'FAST_SWIGLU', 'CAPACITY_PLAN_BLOCK', 'BENCHMARK_ARMS', 'COMPILE_MODES', 'RouterLogits', 'route_tokens',
-           'load_balance_loss', 'load_balance_weight', 'expert_capacity', 'capacity_slots', 'expert_swiglu_reference',
-           'capacity_moe_reference', 'dropless_moe_reference', 'grouped_gemm_kernel', 'grouped_gemm_weight_grad_kernel',
-           'grouped_gemm_triton', 'pointer_weight_grad_triton', 'grouped_gemm_reference', 'tma_weight_grad_kernel',
-           'tma_weight_grad_applies', 'tma_weight_grad_triton', 'grouped_gemm_weight_grad_triton', 'gather_rows_kernel',
-           'combine_rows_kernel', 'gather_rows_triton', 'combine_rows_triton', 'router_logits_kernel',
+           'ROUTER_ROWDOT', 'ROUTER_ROWDOT_MAX_E', 'EXPERT_GEMM', 'EXPERT_WEIGHT_GRAD', 'EXPERT_BACKENDS', 'MOE_KNOBS',
+           'FAST_PATHS', 'FAST_GEMM', 'FAST_SWIGLU', 'CAPACITY_PLAN_BLOCK', 'BENCHMARK_ARMS', 'COMPILE_MODES',
+           'RouterLogits', 'route_tokens', 'load_balance_loss', 'load_balance_weight', 'expert_capacity',
+           'capacity_slots', 'expert_swiglu_reference', 'capacity_moe_reference', 'dropless_moe_reference',
+           'grouped_gemm_kernel', 'grouped_gemm_weight_grad_kernel', 'grouped_gemm_triton',
+           'pointer_weight_grad_triton', 'grouped_gemm_reference', 'tma_weight_grad_kernel', 'tma_weight_grad_applies',
+           'tma_weight_grad_triton', 'grouped_gemm_weight_grad_triton', 'gather_rows_kernel', 'combine_rows_kernel',
+           'gather_rows_triton', 'combine_rows_triton', 'router_logits_kernel', 'router_rowdot_kernel',
            'router_grad_w_kernel', 'router_backward_kernel', 'router_logits_triton', 'route_tokens_triton',
            'router_backward_triton', 'router_weight_grad_triton', 'router_parity_errors', 'library_support',
            'ExpertBackends', 'expert_backends', 'dropless_row_align', 'grouped_gemm_swiglu_fast',
@@ -474,6 +475,87 @@ def router_logits_kernel(x_ptr, w_ptr, out_ptr, experts_ptr, weights_ptr, N, D, 
             tl.store(weights_ptr + rows * TOP_K + j, tl.max(left, 1) / top_sum, mask=rows < N)
             left = tl.where(experts[None, :] == pick[:, None], -1.0, left)
 
+ROUTER_ROWDOT = (32, 4, 8, 4)   # (lanes across columns, row groups, rows per lane, warps): 32 rows per program
+ROUTER_ROWDOT_MAX_E = 8         # experts the row-dot kernel takes (one accumulator each); more: router_logits_kernel
+
+@triton.jit
+def _expert_rowdot(x, wt_ptr, k, D, zero_g, cols, acc, v, EVEN: tl.constexpr):
+    "acc + x (NC, G, R, 4) times router column k over each lane's 4 columns: one FMA chain per row, no padding."
+    if EVEN:
+        w = tl.load(wt_ptr + k * D + zero_g + cols)                        # (NC, G, 1, 4): x's layout, no conversion
+    else:
+        w = tl.load(wt_ptr + k * D + zero_g + cols, mask=cols < D, other=0.0)
+    p = x * w
+    return tl.sum(tl.where(v == 0, p + acc[:, :, :, None], p), 3)          # acc enters at the first column: FMAs only
+
+@triton.jit
+def router_rowdot_kernel(x_ptr, wt_ptr, out_ptr, experts_ptr, weights_ptr, N, D, E: tl.constexpr, E_PAD: tl.constexpr,
+                         TOP_K: tl.constexpr, NC: tl.constexpr, G: tl.constexpr, R: tl.constexpr, EVEN: tl.constexpr):
+    # router_logits_kernel for E <= 8, without tl.dot: x's tile is (NC lanes across columns, G row groups, R rows per
+    # lane, 4 columns), each lane keeps one fp32 sum per expert and row, and the lanes' sums meet once at the end.
+    # EVEN: N a multiple of G*R and D of NC*4 (no masks in the loop). Read G*R rows of x and the (E, D) router (from
+    # cache), write G*R*E (+ 2*G*R*TOP_K) per program.
+    V: tl.constexpr = 4
+    c = tl.arange(0, NC)[:, None, None, None]
+    g = tl.arange(0, G)[None, :, None, None]
+    v = tl.arange(0, V)[None, None, None, :]
+    rows = tl.program_id(0) * G * R + g * R + tl.arange(0, R)[None, None, :, None]   # (1, G, R, 1)
+    x_row = x_ptr + rows.to(tl.int64) * D
+    zero_g = g * 0                                                        # gives the router's loads x's shape
+    a0 = tl.zeros([NC, G, R], tl.float32)
+    a1 = tl.zeros([NC, G, R], tl.float32)
+    a2 = tl.zeros([NC, G, R], tl.float32)
+    a3 = tl.zeros([NC, G, R], tl.float32)
+    a4 = tl.zeros([NC, G, R], tl.float32)
+    a5 = tl.zeros([NC, G, R], tl.float32)
+    a6 = tl.zeros([NC, G, R], tl.float32)
+    a7 = tl.zeros([NC, G, R], tl.float32)
+    for d0 in range(0, D, NC * V):
+        cols = d0 + c * V + v                                             # (NC, 1, 1, 4)
+        if EVEN:
+            x = tl.load(x_row + cols).to(tl.float32)
+        else:
+            x = tl.load(x_row + cols, mask=(rows < N) & (cols < D), other=0.0).to(tl.float32)
+        a0 = _expert_rowdot(x, wt_ptr, 0, D, zero_g, cols, a0, v, EVEN)
+        if E > 1: a1 = _expert_rowdot(x, wt_ptr, 1, D, zero_g, cols, a1, v, EVEN)
+        if E > 2: a2 = _expert_rowdot(x, wt_ptr, 2, D, zero_g, cols, a2, v, EVEN)
+        if E > 3: a3 = _expert_rowdot(x, wt_ptr, 3, D, zero_g, cols, a3, v, EVEN)
+        if E > 4: a4 = _expert_rowdot(x, wt_ptr, 4, D, zero_g, cols, a4, v, EVEN)
+        if E > 5: a5 = _expert_rowdot(x, wt_ptr, 5, D, zero_g, cols, a5, v, EVEN)
+        if E > 6: a6 = _expert_rowdot(x, wt_ptr, 6, D, zero_g, cols, a6, v, EVEN)
+        if E > 7: a7 = _expert_rowdot(x, wt_ptr, 7, D, zero_g, cols, a7, v, EVEN)
+    experts = tl.arange(0, E_PAD)[None, None, :]                          # (G, R, E_PAD) logits from here
+    acc = tl.where(experts == 0, tl.sum(a0, 0)[:, :, None], 0.0)
+    if E > 1: acc = tl.where(experts == 1, tl.sum(a1, 0)[:, :, None], acc)
+    if E > 2: acc = tl.where(experts == 2, tl.sum(a2, 0)[:, :, None], acc)
+    if E > 3: acc = tl.where(experts == 3, tl.sum(a3, 0)[:, :, None], acc)
+    if E > 4: acc = tl.where(experts == 4, tl.sum(a4, 0)[:, :, None], acc)
+    if E > 5: acc = tl.where(experts == 5, tl.sum(a5, 0)[:, :, None], acc)
+    if E > 6: acc = tl.where(experts == 6, tl.sum(a6, 0)[:, :, None], acc)
+    if E > 7: acc = tl.where(experts == 7, tl.sum(a7, 0)[:, :, None], acc)
+    rows = tl.program_id(0) * G * R + tl.arange(0, G)[:, None] * R + tl.arange(0, R)[None, :]   # (G, R)
+    live = rows < N
+    is_expert = experts < E
+    out_mask = live[:, :, None] & is_expert
+    if TOP_K == 0:                                      # the logits alone
+        tl.store(out_ptr + rows[:, :, None] * E + experts, acc, mask=out_mask)
+    else:                                               # route, as router_logits_kernel does
+        logits = tl.where(is_expert, acc, float("-inf"))
+        p = tl.exp(logits - tl.max(logits, 2)[:, :, None])
+        probs = p / tl.sum(p, 2)[:, :, None]
+        tl.store(out_ptr + rows[:, :, None] * E + experts, probs, mask=out_mask)
+        left = tl.where(is_expert, probs, -1.0)
+        top_sum = tl.zeros([G, R], tl.float32)
+        for j in tl.static_range(TOP_K):
+            top_sum += tl.max(left, 2)
+            left = tl.where(experts == tl.argmax(left, 2)[:, :, None], -1.0, left)
+        left = tl.where(is_expert, probs, -1.0)
+        for j in tl.static_range(TOP_K):
+            pick = tl.argmax(left, 2)
+            tl.store(experts_ptr + rows * TOP_K + j, pick.to(tl.int64), mask=live)
+            tl.store(weights_ptr + rows * TOP_K + j, tl.max(left, 2) / top_sum, mask=live)
+            left = tl.where(experts == pick[:, :, None], -1.0, left)
+
 @triton.jit
 def router_grad_w_kernel(x_ptr, g_ptr, part_ptr, N, D, E, CHUNK_ROWS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                          BLOCK_COLS: tl.constexpr, E_PAD: tl.constexpr):
@@ -523,16 +605,28 @@ def _check_router_shapes(x, router, name):
     if x.dim() != 2 or router.dim() != 2 or x.shape[1] != router.shape[0]:
         raise ValueError(f"{name}: x {tuple(x.shape)} and router {tuple(router.shape)} do not make an (N, D) @ (D, E) product")
 
+def _route_kernel(x, router, out, experts, weights, top_k):
+    "Launch the router's forward kernel: the row-dot one for up to ROUTER_ROWDOT_MAX_E experts, else the tl.dot one."
+    (N, D), E = x.shape, router.shape[1]
+    if E <= ROUTER_ROWDOT_MAX_E:
+        NC, G, R, warps = ROUTER_ROWDOT
+        router_rowdot_kernel[(triton.cdiv(N, G * R),)](x, router.t().contiguous(), out, experts, weights, N, D, E=E,
+                                                       E_PAD=max(2, triton.next_power_of_2(E)), TOP_K=top_k, NC=NC, G=G,
+                                                       R=R, EVEN=N % (G * R) == 0 and D % (NC * 4) == 0, num_warps=warps)
+    else:
+        router_logits_kernel[(triton.cdiv(N, ROUTER_BLOCK_ROWS),)](x, router, out, experts, weights, N, D, E,
+                                                                    BLOCK_ROWS=ROUTER_BLOCK_ROWS, BLOCK_COLS=ROUTER_BLOCK_COLS,
+                                                                    E_PAD=_router_e_pad(E), TOP_K=top_k)
+
 def router_logits_triton(x, router):
     """The router's fp32 logits (N, E), no autograd: x (N, D) fp32/bf16/fp16 and an fp32 router (D, E) on the kernel
     above, anything else as `x.to(router.dtype) @ router`."""
     _check_router_shapes(x, router, "router_logits_triton")
     if not _router_kernels_apply(x, router): return x.to(router.dtype) @ router
     x, router = x.contiguous(), router.contiguous()
-    (N, D), E = x.shape, router.shape[1]
+    N, E = x.shape[0], router.shape[1]
     logits = torch.empty(N, E, dtype=torch.float32, device=x.device)
-    router_logits_kernel[(triton.cdiv(N, ROUTER_BLOCK_ROWS),)](x, router, logits, logits, logits, N, D, E, BLOCK_ROWS=ROUTER_BLOCK_ROWS,
-                                                                BLOCK_COLS=ROUTER_BLOCK_COLS, E_PAD=_router_e_pad(E), TOP_K=0)
+    _route_kernel(x, router, logits, logits, logits, 0)                  # only the logits are written
     return logits
 
 def route_tokens_triton(x, router, top_k):
@@ -546,9 +640,7 @@ def route_tokens_triton(x, router, top_k):
     probs = torch.empty(N, E, dtype=torch.float32, device=x.device)
     top_experts = torch.empty(N, top_k, dtype=torch.int64, device=x.device)
     top_weights = torch.empty(N, top_k, dtype=torch.float32, device=x.device)
-    router_logits_kernel[(triton.cdiv(N, ROUTER_BLOCK_ROWS),)](x, router, probs, top_experts, top_weights, N, D, E,
-                                                                BLOCK_ROWS=ROUTER_BLOCK_ROWS, BLOCK_COLS=ROUTER_BLOCK_COLS,
-                                                                E_PAD=_router_e_pad(E), TOP_K=top_k)
+    _route_kernel(x, router, probs, top_experts, top_weights, top_k)
     return probs, top_experts, top_weights
 
 def router_backward_triton(grad_weights, top_weights, top_experts, probs, grad_probs):

@@ -498,8 +498,11 @@ def test_routed_swiglu_backward_matches_float64(R, FF):
 
 @needs_kernels
 @pytest.mark.parametrize("N,D,E,top_k,dtype", [(37, 70, 5, 2, torch.float32), (100, 129, 8, 1, torch.float32),
-                                               (65, 40, 8, 3, torch.bfloat16), (3, 16, 2, 2, torch.float16)])
+                                               (65, 40, 8, 3, torch.bfloat16), (3, 16, 2, 2, torch.float16),
+                                               (64, 256, 8, 2, torch.bfloat16), (5, 9, 1, 1, torch.float32),
+                                               (50, 70, 12, 2, torch.float32)])
 def test_route_tokens_triton_matches_float64(N, D, E, top_k, dtype):
+    "The row-dot kernel up to 8 experts (masked, and whole tiles at 64 x 256), the tl.dot kernel above (12)."
     torch.manual_seed(N)
     x = torch.randn(N, D, device=DEVICE).to(dtype)
     router = torch.randn(D, E, device=DEVICE) * 0.3
@@ -594,7 +597,8 @@ def test_router_logits_same_numbers_fewer_bytes():
 
 @needs_kernels
 @pytest.mark.parametrize("N,D,E,dtype", [(37, 70, 5, torch.float32), (100, 129, 8, torch.float32), (1, 16, 2, torch.float32),
-                                         (45, 66, 8, torch.bfloat16), (600, 40, 3, torch.float16)])
+                                         (45, 66, 8, torch.bfloat16), (600, 40, 3, torch.float16), (64, 256, 6, torch.bfloat16),
+                                         (33, 70, 16, torch.float32)])
 def test_router_logits_triton_matches_float64(N, D, E, dtype):
     errors = moe.router_parity_errors(N, D, E, dtype, device=DEVICE, seed=N)
     print(errors)
