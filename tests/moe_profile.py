@@ -15,7 +15,7 @@ STEPS = 5
 
 def is_gemm(name):
     n = name.lower()
-    return any(s in n for s in ("gemm", "sm90_xmma", "cutlass", "nvjet", "_mm_", "bmm", "matmul", "wgmma"))
+    return any(s in n for s in ("gemm", "weight_grad", "sm90_xmma", "cutlass", "nvjet", "_mm_", "bmm", "matmul", "wgmma"))
 
 def profile_arm(step):
     for _ in range(3): step()
