@@ -7,7 +7,7 @@ router_weight_grad_triton), checked against float64 and timed against the curren
 Both kernels keep full fp32 (IEEE) arithmetic on the FMA units: no tl.dot, no tensor cores, no tf32. Instead of a
 padded fp32 tl.dot, each thread keeps fp32 partial sums for its own few columns of x in registers and every product
 is an FFMA: the cross-thread reduction (over the columns, for the logits) happens once per program, not per chunk.
-Layouts are steered only through tensor shapes (what Triton's coalescing pass sees), never by hand; see README.md.
+Layouts are steered only through tensor shapes (what Triton's coalescing pass sees), never by hand.
 
 `route_rowdot` / `logits_rowdot`: x tile (NC, G, R, 4): a lane owns 4 adjacent columns (an 8-byte bf16 load) of
 R rows; NC lanes across the columns, the other 32/NC lanes and the warps across G row groups. The router is read
@@ -30,8 +30,8 @@ if __name__ == "__main__":
     _p.add_argument("--rounds", type=int, default=5)
     _p.add_argument("--dry", action="store_true", help="the GPU path (checks, timing loop, table, JSON) on the CPU under "
                     "TRITON_INTERPRET=1 at a small shape, with a wall-clock timer: tests the script, times nothing")
-    _p.add_argument("--compile", action="store_true", help="compile every variant for sm_90 without a GPU (needs "
-                    "PYTHONPATH=/work/t36 for Triton 3.6) and print registers, spills, shared memory and the main loop's SASS")
+    _p.add_argument("--compile", action="store_true", help="compile every variant for sm_90 without a GPU (run "
+                    "it under the GPU machine's Triton, 3.6, for numbers that match it) and print registers, spills, shared memory and the main loop's SASS")
     _args = _p.parse_args()
     if _args.check or _args.dry: os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -40,16 +40,24 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-try:
-    from rtrainer import moe as _moe          # the current kernels: the baseline arms
-except Exception as e:                        # still usable without rtrainer (no baseline arms then)
-    _moe = None
-    print(f"note: rtrainer.moe not importable ({type(e).__name__}: {e}); baseline arms skipped", file=sys.stderr)
+from rtrainer import moe as _moe          # the route kernel, and the current kernels: the baseline arms
 
-if _moe is not None and os.environ.get("TRITON_INTERPRET") == "1":
+if os.environ.get("TRITON_INTERPRET") == "1":
     # the interpreter reads a kernel's source at its first call: read the current kernels' now, in case moe.py is
     # being edited while the check runs
-    for _k in (_moe.router_logits_kernel, _moe.router_grad_w_kernel): _k.rewrite()
+    for _k in (_moe.router_logits_kernel, _moe.router_grad_w_kernel, _moe.router_rowdot_kernel): _k.rewrite()
+
+def _tl_dot_route(x, router, top_k):
+    "The router_logits_kernel (tl.dot, E padded to 16) as route_tokens_triton ran it before the row-dot kernel: the baseline."
+    x, router = x.contiguous(), router.contiguous()
+    (N, D), E = x.shape, router.shape[1]
+    probs = torch.empty(N, E, dtype=torch.float32, device=x.device)
+    experts = torch.empty(N, max(top_k, 1), dtype=torch.int64, device=x.device)
+    weights = torch.empty(N, max(top_k, 1), dtype=torch.float32, device=x.device)
+    _moe.router_logits_kernel[(triton.cdiv(N, _moe.ROUTER_BLOCK_ROWS),)](
+        x, router, probs, experts, weights, N, D, E, BLOCK_ROWS=_moe.ROUTER_BLOCK_ROWS, BLOCK_COLS=_moe.ROUTER_BLOCK_COLS,
+        E_PAD=_moe._router_e_pad(E), TOP_K=top_k)
+    return (probs, experts, weights) if top_k else probs
 
 MAX_E = 8     # experts the row-dot kernels take (explicit per-expert accumulators); above this: the current kernels
 
@@ -57,99 +65,18 @@ MAX_E = 8     # experts the row-dot kernels take (explicit per-expert accumulato
 # route: logits + softmax + top-k
 # ----------------------------------------------------------------------------------------------------------------
 
-@triton.jit
-def _expert_dot(x, wt_ptr, k, D, zg, cols, a, v, EVEN: tl.constexpr):
-    # a + the products of x (NC, G, R, 4) with router column k over the lane's 4 columns: one FFMA chain per row
-    if EVEN:
-        wk = tl.load(wt_ptr + k * D + zg + cols)                             # (NC, G, 1, 4): x's layout, no conversion
-    else:
-        wk = tl.load(wt_ptr + k * D + zg + cols, mask=cols < D, other=0.0)
-    p = x * wk
-    return tl.sum(tl.where(v == 0, p + a[:, :, :, None], p), 3)              # a enters at the first column: FFMAs only
+# The route kernel is rtrainer.moe's router_rowdot_kernel (it came from this script, where it was first written with a
+# num_stages knob: software pipelining through shared memory took 0.29 to 0.43 ms against 0.047, see
+# data/results/router_variants.json of commit bec5865). The configs below are its launch shapes.
 
-@triton.jit
-def route_rowdot_kernel(x_ptr, wt_ptr, out_ptr, experts_ptr, weights_ptr, N, D,
-                        E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr,
-                        NC: tl.constexpr, G: tl.constexpr, R: tl.constexpr, STAGES: tl.constexpr, EVEN: tl.constexpr):
-    # EVEN: N a multiple of G*R and D of NC*4 (no masks in the loop).
-    # read G*R rows of x and the whole (E, D) router (L1/L2), write G*R*E (+ 2*G*R*TOP_K) per program
-    BR: tl.constexpr = G * R
-    V: tl.constexpr = 4
-    c = tl.arange(0, NC)[:, None, None, None]
-    g = tl.arange(0, G)[None, :, None, None]
-    r = tl.arange(0, R)[None, None, :, None]
-    v = tl.arange(0, V)[None, None, None, :]
-    rows = tl.program_id(0) * BR + g * R + r                                 # (1, G, R, 1)
-    x_row = x_ptr + rows.to(tl.int64) * D
-    zg = g * 0                                                               # gives the router loads x's (NC, G, ., 4) shape
-    a0 = tl.zeros([NC, G, R], tl.float32)
-    a1 = tl.zeros([NC, G, R], tl.float32)
-    a2 = tl.zeros([NC, G, R], tl.float32)
-    a3 = tl.zeros([NC, G, R], tl.float32)
-    a4 = tl.zeros([NC, G, R], tl.float32)
-    a5 = tl.zeros([NC, G, R], tl.float32)
-    a6 = tl.zeros([NC, G, R], tl.float32)
-    a7 = tl.zeros([NC, G, R], tl.float32)
-    for d0 in tl.range(0, D, NC * V, num_stages=STAGES):
-        cols = d0 + c * V + v                                                # (NC, 1, 1, 4)
-        if EVEN:
-            x = tl.load(x_row + cols).to(tl.float32)
-        else:
-            x = tl.load(x_row + cols, mask=(rows < N) & (cols < D), other=0.0).to(tl.float32)
-        a0 = _expert_dot(x, wt_ptr, 0, D, zg, cols, a0, v, EVEN)
-        if E > 1: a1 = _expert_dot(x, wt_ptr, 1, D, zg, cols, a1, v, EVEN)
-        if E > 2: a2 = _expert_dot(x, wt_ptr, 2, D, zg, cols, a2, v, EVEN)
-        if E > 3: a3 = _expert_dot(x, wt_ptr, 3, D, zg, cols, a3, v, EVEN)
-        if E > 4: a4 = _expert_dot(x, wt_ptr, 4, D, zg, cols, a4, v, EVEN)
-        if E > 5: a5 = _expert_dot(x, wt_ptr, 5, D, zg, cols, a5, v, EVEN)
-        if E > 6: a6 = _expert_dot(x, wt_ptr, 6, D, zg, cols, a6, v, EVEN)
-        if E > 7: a7 = _expert_dot(x, wt_ptr, 7, D, zg, cols, a7, v, EVEN)
-    # the lanes' partial sums meet once: (G, R, E_PAD) logits, padding experts 0 (masked below)
-    experts = tl.arange(0, E_PAD)[None, None, :]
-    acc = tl.where(experts == 0, tl.sum(a0, 0)[:, :, None], 0.0)
-    if E > 1: acc = tl.where(experts == 1, tl.sum(a1, 0)[:, :, None], acc)
-    if E > 2: acc = tl.where(experts == 2, tl.sum(a2, 0)[:, :, None], acc)
-    if E > 3: acc = tl.where(experts == 3, tl.sum(a3, 0)[:, :, None], acc)
-    if E > 4: acc = tl.where(experts == 4, tl.sum(a4, 0)[:, :, None], acc)
-    if E > 5: acc = tl.where(experts == 5, tl.sum(a5, 0)[:, :, None], acc)
-    if E > 6: acc = tl.where(experts == 6, tl.sum(a6, 0)[:, :, None], acc)
-    if E > 7: acc = tl.where(experts == 7, tl.sum(a7, 0)[:, :, None], acc)
-    rows2 = tl.program_id(0) * BR + tl.arange(0, G)[:, None] * R + tl.arange(0, R)[None, :]   # (G, R)
-    live = rows2 < N
-    rows3 = rows2[:, :, None]
-    is_expert = experts < E
-    out_mask = live[:, :, None] & is_expert
-    if TOP_K == 0:                                      # the logits alone
-        tl.store(out_ptr + rows3 * E + experts, acc, mask=out_mask)
-    else:                                               # route: softmax, top-k, renormalized weights (as the current kernel)
-        logits = tl.where(is_expert, acc, float("-inf"))
-        p = tl.exp(logits - tl.max(logits, 2)[:, :, None])
-        probs = p / tl.sum(p, 2)[:, :, None]
-        tl.store(out_ptr + rows3 * E + experts, probs, mask=out_mask)
-        left = tl.where(is_expert, probs, -1.0)         # probabilities not picked yet (padding never is)
-        top_sum = tl.zeros([G, R], tl.float32)
-        for j in tl.static_range(TOP_K):                # pass 1: the sum of the k largest, largest first
-            top_sum += tl.max(left, 2)
-            left = tl.where(experts == tl.argmax(left, 2)[:, :, None], -1.0, left)
-        left = tl.where(is_expert, probs, -1.0)
-        for j in tl.static_range(TOP_K):                # pass 2: the same picks (ties: the lower expert), written
-            pick = tl.argmax(left, 2)
-            tl.store(experts_ptr + rows2 * TOP_K + j, pick.to(tl.int64), mask=live)
-            tl.store(weights_ptr + rows2 * TOP_K + j, tl.max(left, 2) / top_sum, mask=live)
-            left = tl.where(experts == pick[:, :, None], -1.0, left)
-
-# route configs: (NC lanes across columns, G row groups, R rows per lane, num_warps, pipeline stages).
+# route configs: (NC lanes across columns, G row groups, R rows per lane, num_warps).
 # G = (32 // NC) * num_warps keeps each lane on R rows of its own (no replication); rows per program = G * R.
 ROUTE_CONFIGS = {
-    "rd32_g4r8_w4":    (32, 4, 8, 4, 1),    # 32 rows/program (512 programs at N=16384), 128 cols per step
-    "rd32_g4r8_w4_s2": (32, 4, 8, 4, 2),    # the same, x and router pipelined through shared memory (cp.async), 2 stages
-    "rd32_g4r8_w4_s3": (32, 4, 8, 4, 3),
-    "rd32_g4r4_w4":    (32, 4, 4, 4, 1),    # 16 rows/program (1024 programs)
-    "rd32_g4r4_w4_s3": (32, 4, 4, 4, 3),
-    "rd32_g2r8_w2":    (32, 2, 8, 2, 1),    # 16 rows/program, 2 warps
-    "rd16_g8r4_w4":    (16, 8, 4, 4, 1),    # 32 rows/program, 64 cols per step
-    "rd8_g16r4_w4_s3": (8, 16, 4, 4, 3),    # 64 rows/program (256 programs), 32 cols per step
-    "rd32_g8r8_w8":    (32, 8, 8, 8, 1),    # 64 rows/program, 8 warps
+    "rd32_g4r8_w4":    (32, 4, 8, 4),    # 32 rows/program (512 programs at N=16384), 128 cols per step: rtrainer's ROUTER_ROWDOT
+    "rd32_g4r4_w4":    (32, 4, 4, 4),    # 16 rows/program (1024 programs)
+    "rd32_g2r8_w2":    (32, 2, 8, 2),    # 16 rows/program, 2 warps
+    "rd16_g8r4_w4":    (16, 8, 4, 4),    # 32 rows/program, 64 cols per step
+    "rd32_g8r8_w8":    (32, 8, 8, 8),    # 64 rows/program, 8 warps
 }
 DEFAULT_ROUTE = "rd32_g4r8_w4"
 
@@ -160,7 +87,7 @@ def _applies(x, router):
 
 def _route_launch(x, router, top_k, config, router_t):
     (N, D), E = x.shape, router.shape[1]
-    NC, G, R, warps, stages = ROUTE_CONFIGS[config] if isinstance(config, str) else config
+    NC, G, R, warps = ROUTE_CONFIGS[config] if isinstance(config, str) else config
     x = x.contiguous()
     wt = router_t if router_t is not None else router.t().contiguous()        # (E, D) fp32: 16-byte router loads
     probs = torch.empty(N, E, dtype=torch.float32, device=x.device)
@@ -169,9 +96,9 @@ def _route_launch(x, router, top_k, config, router_t):
         weights = torch.empty(N, top_k, dtype=torch.float32, device=x.device)
     else:
         experts = weights = probs                                              # not written
-    route_rowdot_kernel[(triton.cdiv(N, G * R),)](x, wt, probs, experts, weights, N, D, E=E, E_PAD=_route_e_pad(E),
-                                                   TOP_K=top_k, NC=NC, G=G, R=R, STAGES=stages,
-                                                   EVEN=N % (G * R) == 0 and D % (NC * 4) == 0, num_warps=warps)
+    _moe.router_rowdot_kernel[(triton.cdiv(N, G * R),)](x, wt, probs, experts, weights, N, D, E=E, E_PAD=_route_e_pad(E),
+                                                         TOP_K=top_k, NC=NC, G=G, R=R,
+                                                         EVEN=N % (G * R) == 0 and D % (NC * 4) == 0, num_warps=warps)
     return probs, experts, weights
 
 def route_rowdot(x, router, top_k, config=DEFAULT_ROUTE, router_t=None):
@@ -338,7 +265,7 @@ def check_all(shapes, dtype, device, route_configs, grad_configs, tie_tol=1e-6, 
         rlogits = x.double() @ router.double()
         rel = lambda a, b: ((a.double() - b).abs().max() / b.abs().max()).item()
         arms = {f"route:{c}": (lambda k, c=c: route_rowdot(x, router, k, c)) for c in route_configs}
-        if _moe is not None: arms["route:current"] = lambda k: _moe.route_tokens_triton(x, router, k)
+        arms["route:current"] = lambda k: _tl_dot_route(x, router, k)
         for top_k in (top_ks or sorted({1, 2, min(3, E)})):
             ref = reference_route(x, router, top_k)
             for name, fn in arms.items():
@@ -348,12 +275,12 @@ def check_all(shapes, dtype, device, route_configs, grad_configs, tie_tol=1e-6, 
                 log(f"N={N} D={D} E={E} k={top_k} {name:24s} probs {err['probs_err']:.2e} weights {err['weights_err']:.2e} "
                     f"route mismatches {err['route_mismatch']} (not at a near-tie: {err['mismatch_not_near_tie']}) {'ok' if ok else 'FAIL'}")
         for name, fn in [(f"logits:{c}", lambda c=c: logits_rowdot(x, router, c)) for c in route_configs[:1]] + \
-                        ([("logits:current", lambda: _moe.router_logits_triton(x, router))] if _moe is not None else []):
+                        ([("logits:current", lambda: _tl_dot_route(x, router, 0))]):
             e = rel(fn(), rlogits)
             results.append(dict(shape=(N, D, E), arm=name, ok=e < 1e-5, logits_err=e))
             log(f"N={N} D={D} E={E}     {name:24s} logits {e:.2e} {'ok' if e < 1e-5 else 'FAIL'}")
         garms = {f"grad:{c}": (lambda c=c: grad_w_rowdot(x, gl, router, c)) for c in grad_configs}
-        if _moe is not None: garms["grad:current"] = lambda: _moe.router_weight_grad_triton(x, gl, router)
+        garms["grad:current"] = lambda: _moe.router_weight_grad_triton(x, gl, router)
         for name, fn in garms.items():
             a, b = fn(), fn()
             e = rel(a, rgrad)
@@ -409,21 +336,21 @@ def compile_check():
         mix = {k: v for k, v in sorted(main.items()) if k.startswith(keep)}
         print(f"{name:22s} regs/spilled {ptxas_usage(c.asm['ptx'])} smem {c.metadata.shared:6d} "
               f"layout conversions {c.asm['ttgir'].count('convert_layout')}; main loop: {mix} ({sum(main.values())} instr)")
-    for name, (NC, G, R, warps, stages) in ROUTE_CONFIGS.items():
+    for name, (NC, G, R, warps) in ROUTE_CONFIGS.items():
         sig = dict(x_ptr="*bf16", wt_ptr="*fp32", out_ptr="*fp32", experts_ptr="*i64", weights_ptr="*fp32", N="i32", D="i32")
-        show(name, compile_sm90(route_rowdot_kernel, sig, dict(E=8, E_PAD=8, TOP_K=2, NC=NC, G=G, R=R, STAGES=stages, EVEN=True),
-                                hints=("x_ptr", "wt_ptr", "D"), warps=warps, stages=stages))
+        show(name, compile_sm90(_moe.router_rowdot_kernel, sig, dict(E=8, E_PAD=8, TOP_K=2, NC=NC, G=G, R=R, EVEN=True),
+                                hints=("x_ptr", "wt_ptr", "D"), warps=warps))
     for name, (W, R, CH, stages) in GRAD_CONFIGS.items():
         sig = dict(x_ptr="*bf16", g_ptr="*fp32", part_ptr="*fp32", N="i32", D="i32")
         show(name, compile_sm90(grad_w_rowdot_kernel, sig, dict(E=8, W=W, R=R, CH=CH, STAGES=stages, EVEN=True),
                                 hints=("x_ptr", "g_ptr", "part_ptr", "D"), warps=W, stages=stages))
-    if _moe is not None:
-        sig = dict(x_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32", experts_ptr="*i64", weights_ptr="*fp32", N="i32", D="i32", E="i32")
-        show("current route", compile_sm90(_moe.router_logits_kernel, sig, dict(BLOCK_ROWS=64, BLOCK_COLS=128, E_PAD=16, TOP_K=2),
-                                           hints=("x_ptr", "w_ptr", "D")))
-        sig = dict(x_ptr="*bf16", g_ptr="*fp32", part_ptr="*fp32", N="i32", D="i32", E="i32")
-        show("current grad", compile_sm90(_moe.router_grad_w_kernel, sig, dict(CHUNK_ROWS=512, BLOCK_ROWS=64, BLOCK_COLS=128, E_PAD=16),
-                                          hints=("x_ptr", "D")))
+    # the tl.dot kernels, for comparison
+    sig = dict(x_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32", experts_ptr="*i64", weights_ptr="*fp32", N="i32", D="i32", E="i32")
+    show("current route", compile_sm90(_moe.router_logits_kernel, sig, dict(BLOCK_ROWS=64, BLOCK_COLS=128, E_PAD=16, TOP_K=2),
+                                       hints=("x_ptr", "w_ptr", "D")))
+    sig = dict(x_ptr="*bf16", g_ptr="*fp32", part_ptr="*fp32", N="i32", D="i32", E="i32")
+    show("current grad", compile_sm90(_moe.router_grad_w_kernel, sig, dict(CHUNK_ROWS=512, BLOCK_ROWS=64, BLOCK_COLS=128, E_PAD=16),
+                                      hints=("x_ptr", "D")))
 
 def _wall_ms(fn, **_):
     t = time.perf_counter(); fn(); return (time.perf_counter() - t) * 1e3
@@ -437,24 +364,24 @@ def gpu_main(rounds, dry=False):
     # correctness at the full shape (this also compiles every variant)
     res = check_all([(N, D, E)], torch.bfloat16, dev, list(ROUTE_CONFIGS), list(GRAD_CONFIGS), log=lambda s: None, top_ks=[K])
     x, router, gl = make_inputs(N, D, E, torch.bfloat16, dev)
-    if _moe is not None:      # agreement of the routes with the current kernel
-        cur = _moe.route_tokens_triton(x, router, K)
-        for c in ROUTE_CONFIGS:
-            o = route_rowdot(x, router, K, c)
-            for r in res:
-                if r["arm"] == f"route:{c}" and r.get("top_k") == K:
-                    r["route_diff_vs_current"] = int((o[1] != cur[1]).any(-1).sum())
-                    r["probs_maxdiff_vs_current"] = (o[0] - cur[0]).abs().max().item()
+    # agreement of the routes with the current kernel
+    cur = _tl_dot_route(x, router, K)
+    for c in ROUTE_CONFIGS:
+        o = route_rowdot(x, router, K, c)
+        for r in res:
+            if r["arm"] == f"route:{c}" and r.get("top_k") == K:
+                r["route_diff_vs_current"] = int((o[1] != cur[1]).any(-1).sum())
+                r["probs_maxdiff_vs_current"] = (o[0] - cur[0]).abs().max().item()
     for r in res:
         print("check", {k: (round(v, 9) if isinstance(v, float) else v) for k, v in r.items()})
     print(f"checks done in {time.time() - t0:.1f} s")
     arms = {}
-    if _moe is not None: arms["route:current"] = lambda: _moe.route_tokens_triton(x, router, K)
+    arms["route:current"] = lambda: _tl_dot_route(x, router, K)
     for c in ROUTE_CONFIGS: arms[f"route:{c}"] = lambda c=c: route_rowdot(x, router, K, c)
     wt = router.t().contiguous()
     arms[f"route:{DEFAULT_ROUTE}+pre_t"] = lambda: route_rowdot(x, router, K, DEFAULT_ROUTE, router_t=wt)
     arms["route:transpose_only"] = lambda: router.t().contiguous()
-    if _moe is not None: arms["grad:current"] = lambda: _moe.router_weight_grad_triton(x, gl, router)
+    arms["grad:current"] = lambda: _moe.router_weight_grad_triton(x, gl, router)
     for c in GRAD_CONFIGS: arms[f"grad:{c}"] = lambda c=c: grad_w_rowdot(x, gl, router, c)
     times = {a: [] for a in arms}
     names = list(arms)
