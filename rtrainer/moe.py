@@ -633,7 +633,7 @@ def route_tokens_triton(x, router, top_k):
     """route_tokens without autograd, in one kernel: (probs (N, E) fp32, top_experts (N, k) int64, top_weights (N, k)
     fp32); ties go to the lower expert. Where the kernel does not apply (see router_logits_triton), route_tokens."""
     _check_router_shapes(x, router, "route_tokens_triton")
-    (N, D), E = x.shape, router.shape[1]
+    N, E = x.shape[0], router.shape[1]
     if not 1 <= top_k <= E: raise ValueError(f"route_tokens_triton: need 1 <= top_k <= {E} experts, got top_k={top_k}")
     if not _router_kernels_apply(x, router): return route_tokens(x, router, top_k)
     x, router = x.contiguous(), router.contiguous()

@@ -210,6 +210,8 @@ def hopper_grouped_gemm(rows, weight, config=GEMM_CONFIG, swiglu=False, out=None
     as `swiglu_forward` computes it."""
     capacity, row_align = (0, config[0]) if groups is not None else (rows.shape[0] // weight.shape[0], 0)
     if (why := _kernel_refusal(rows, weight, capacity, config, swiglu, row_align)): raise ValueError(f"hopper_grouped_gemm: {why}")
+    if groups is not None and any(g.dtype != torch.int32 or g.shape != (weight.shape[0],) or g.device != rows.device for g in groups):
+        raise ValueError(f"hopper_grouped_gemm: groups must be two ({weight.shape[0]},) int32 tensors on {rows.device}")
     return _launch(rows, weight, config, swiglu, out, groups)
 
 def _launch(rows, weight, config, swiglu, out, groups=None):

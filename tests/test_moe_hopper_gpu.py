@@ -80,6 +80,8 @@ def test_hopper_refusals():
     assert "not of 128" in moe_hopper.hopper_gemm_refusal(rows, weight, 0, row_align=64)
     assert moe_hopper.hopper_gemm_refusal(rows, weight, 0, row_align=256) is None
     assert moe_hopper._dropless_row_align(rows) == 128 and moe_hopper._dropless_row_align(rows.float()) == 1
+    with pytest.raises(ValueError, match="groups must be two"):
+        moe_hopper.hopper_grouped_gemm(rows, weight, groups=(torch.zeros(2, device="cuda", dtype=torch.int64),) * 2)
 
 @pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
 @pytest.mark.parametrize("knobs,calls,swiglu_calls", [({}, 4, 1), ({"FAST_SWIGLU": False}, 4, 0), ({"FAST_GEMM": False}, 0, 0)])
