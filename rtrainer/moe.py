@@ -442,6 +442,33 @@ ROUTER_BLOCK_COLS = 128     # columns of x per step (logits) or per program (dro
 ROUTER_CHUNK_ROWS = 512     # rows summed by one drouter program before it writes its partial (a multiple of ROUTER_BLOCK_ROWS)
 
 @triton.jit
+def _route_outputs(acc, rows, experts, N, E, out_ptr, experts_ptr, weights_ptr, TOP_K: tl.constexpr, AXIS: tl.constexpr):
+    """The router kernels' ending: acc holds each row's logits along its last axis AXIS (experts past E are padding).
+    TOP_K 0 writes them; else route, all in registers: softmax, top-k, renormalized weights."""
+    live = rows < N
+    is_expert = experts < E
+    offsets = tl.expand_dims(rows, AXIS) * E + experts
+    out_mask = tl.expand_dims(live, AXIS) & is_expert
+    if TOP_K == 0:                                      # the logits alone
+        tl.store(out_ptr + offsets, acc, mask=out_mask)
+    else:
+        logits = tl.where(is_expert, acc, float("-inf"))
+        p = tl.exp(logits - tl.expand_dims(tl.max(logits, AXIS), AXIS))
+        probs = p / tl.expand_dims(tl.sum(p, AXIS), AXIS)
+        tl.store(out_ptr + offsets, probs, mask=out_mask)
+        left = tl.where(is_expert, probs, -1.0)         # probabilities not picked yet (padding never is)
+        top_sum = tl.zeros(rows.shape, tl.float32)
+        for j in tl.static_range(TOP_K):                # pass 1: the sum of the k largest, largest first
+            top_sum += tl.max(left, AXIS)
+            left = tl.where(experts == tl.expand_dims(tl.argmax(left, AXIS), AXIS), -1.0, left)
+        left = tl.where(is_expert, probs, -1.0)
+        for j in tl.static_range(TOP_K):                # pass 2: the same picks (ties: the lower expert), written
+            pick = tl.argmax(left, AXIS)
+            tl.store(experts_ptr + rows * TOP_K + j, pick.to(tl.int64), mask=live)
+            tl.store(weights_ptr + rows * TOP_K + j, tl.max(left, AXIS) / top_sum, mask=live)
+            left = tl.where(experts == tl.expand_dims(pick, AXIS), -1.0, left)
+
+@triton.jit
 def router_logits_kernel(x_ptr, w_ptr, out_ptr, experts_ptr, weights_ptr, N, D, E, BLOCK_ROWS: tl.constexpr,
                          BLOCK_COLS: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr):
     # read BLOCK_ROWS*D of x (+ D*E of the router, from cache), write BLOCK_ROWS*E (+ 2*BLOCK_ROWS*TOP_K) per program
@@ -454,26 +481,7 @@ def router_logits_kernel(x_ptr, w_ptr, out_ptr, experts_ptr, weights_ptr, N, D, 
                     mask=(rows[:, None] < N) & (cols[None, :] < D), other=0.0).to(tl.float32)
         w = tl.load(w_ptr + cols[:, None] * E + experts[None, :], mask=(cols[:, None] < D) & (experts[None, :] < E), other=0.0)
         acc += tl.dot(x, w, input_precision="ieee")     # the chunk's fp32 sum (FMA; tf32x3 on the tensor cores was slower, see below)
-    is_expert = experts[None, :] < E
-    out_mask = (rows[:, None] < N) & is_expert
-    if TOP_K == 0:                                      # the logits alone
-        tl.store(out_ptr + rows[:, None] * E + experts[None, :], acc, mask=out_mask)
-    else:                                               # route: softmax, top-k, renormalized weights, all in registers
-        logits = tl.where(is_expert, acc, float("-inf"))
-        p = tl.exp(logits - tl.max(logits, 1)[:, None])
-        probs = p / tl.sum(p, 1)[:, None]
-        tl.store(out_ptr + rows[:, None] * E + experts[None, :], probs, mask=out_mask)
-        left = tl.where(is_expert, probs, -1.0)         # probabilities not picked yet (padding never is)
-        top_sum = tl.zeros([BLOCK_ROWS], tl.float32)
-        for j in tl.static_range(TOP_K):                # pass 1: the sum of the k largest, largest first
-            top_sum += tl.max(left, 1)
-            left = tl.where(experts[None, :] == tl.argmax(left, 1)[:, None], -1.0, left)
-        left = tl.where(is_expert, probs, -1.0)
-        for j in tl.static_range(TOP_K):                # pass 2: the same picks (ties: the lower expert), written
-            pick = tl.argmax(left, 1)
-            tl.store(experts_ptr + rows * TOP_K + j, pick.to(tl.int64), mask=rows < N)
-            tl.store(weights_ptr + rows * TOP_K + j, tl.max(left, 1) / top_sum, mask=rows < N)
-            left = tl.where(experts[None, :] == pick[:, None], -1.0, left)
+    _route_outputs(acc, rows, experts[None, :], N, E, out_ptr, experts_ptr, weights_ptr, TOP_K, 1)
 
 ROUTER_ROWDOT = (32, 4, 8, 4)   # (lanes across columns, row groups, rows per lane, warps): 32 rows per program
 ROUTER_ROWDOT_MAX_E = 8         # experts the row-dot kernel takes (one accumulator each); more: router_logits_kernel
@@ -534,27 +542,7 @@ def router_rowdot_kernel(x_ptr, wt_ptr, out_ptr, experts_ptr, weights_ptr, N, D,
     if E > 6: acc = tl.where(experts == 6, tl.sum(a6, 0)[:, :, None], acc)
     if E > 7: acc = tl.where(experts == 7, tl.sum(a7, 0)[:, :, None], acc)
     rows = tl.program_id(0) * G * R + tl.arange(0, G)[:, None] * R + tl.arange(0, R)[None, :]   # (G, R)
-    live = rows < N
-    is_expert = experts < E
-    out_mask = live[:, :, None] & is_expert
-    if TOP_K == 0:                                      # the logits alone
-        tl.store(out_ptr + rows[:, :, None] * E + experts, acc, mask=out_mask)
-    else:                                               # route, as router_logits_kernel does
-        logits = tl.where(is_expert, acc, float("-inf"))
-        p = tl.exp(logits - tl.max(logits, 2)[:, :, None])
-        probs = p / tl.sum(p, 2)[:, :, None]
-        tl.store(out_ptr + rows[:, :, None] * E + experts, probs, mask=out_mask)
-        left = tl.where(is_expert, probs, -1.0)
-        top_sum = tl.zeros([G, R], tl.float32)
-        for j in tl.static_range(TOP_K):
-            top_sum += tl.max(left, 2)
-            left = tl.where(experts == tl.argmax(left, 2)[:, :, None], -1.0, left)
-        left = tl.where(is_expert, probs, -1.0)
-        for j in tl.static_range(TOP_K):
-            pick = tl.argmax(left, 2)
-            tl.store(experts_ptr + rows * TOP_K + j, pick.to(tl.int64), mask=live)
-            tl.store(weights_ptr + rows * TOP_K + j, tl.max(left, 2) / top_sum, mask=live)
-            left = tl.where(experts == pick[:, :, None], -1.0, left)
+    _route_outputs(acc, rows, experts, N, E, out_ptr, experts_ptr, weights_ptr, TOP_K, 2)
 
 @triton.jit
 def router_grad_w_kernel(x_ptr, g_ptr, part_ptr, N, D, E, CHUNK_ROWS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
@@ -1362,10 +1350,10 @@ def benchmark_suite(quick=False, rounds=5):
         backends = _arm_backends(dispatch, impl, knobs, dt)
         mean = sum(ts) / len(ts)
         _, low, high = ratio_interval([b / t for b, t in zip(times[base_name], ts)])     # paired by round
-        takes_groups = dispatch == "capacity" or FAST_PATHS.get("dropless_row_align", lambda _: 1)(x) > 1
-        fast_gemm = bool(backends and backends.gemm == "library" and takes_groups and FAST_PATHS
-                         and knobs.get("FAST_GEMM", FAST_GEMM))                  # the registered kernels took the products
-        fast_swiglu = fast_gemm and "grouped_gemm_swiglu" in FAST_PATHS and bool(knobs.get("FAST_SWIGLU", FAST_SWIGLU))
+        with knob_values(MOE_KNOBS, knobs):                                 # the registered kernels took the products
+            takes_groups = dispatch == "capacity" or dropless_row_align(x) > 1
+            fast_gemm = bool(backends and backends.gemm == "library" and takes_groups and FAST_PATHS and FAST_GEMM)
+            fast_swiglu = fast_gemm and "grouped_gemm_swiglu" in FAST_PATHS and FAST_SWIGLU
         rows.append(dict(arm=name, ms=mean, ms_min=min(ts), ms_max=max(ts), tflops=flops / mean / 1e9,
                          speedup_vs_compile=base / mean, speedup_vs_best_compile=sum(times[best_compile]) / rounds / mean,
                          speedup_ci95=(high - low) / 2 if low is not None else None,
