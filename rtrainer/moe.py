@@ -8,23 +8,23 @@ Docs: https://example.invalid/rtrainer/rtrainer/moe.html.md"""
 __all__ = ['GROUPED_GEMM_BLOCK_M', 'ROW_BLOCK', 'TMA_WGRAD_CONFIG', 'INTERPRET_TMA_WGRAD_CONFIG', 'TMA_ALIGNMENT',
            'TMA_WGRAD_LAUNCH', 'COMBINE_ROUTER_TILE', 'ROUTER_BLOCK_ROWS', 'ROUTER_BLOCK_COLS', 'ROUTER_CHUNK_ROWS',
            'ROUTER_ROWDOT', 'ROUTER_ROWDOT_MAX_E', 'EXPERT_GEMM', 'EXPERT_WEIGHT_GRAD', 'EXPERT_BACKENDS', 'MOE_KNOBS',
-           'FAST_PATHS', 'FAST_GEMM', 'FAST_SWIGLU', 'FAST_SWIGLU_BACKWARD', 'CAPACITY_PLAN_BLOCK', 'BENCHMARK_ARMS',
-           'COMPILE_MODES', 'RouterLogits', 'route_tokens', 'load_balance_loss', 'load_balance_weight',
-           'expert_capacity', 'capacity_slots', 'expert_swiglu_reference', 'capacity_moe_reference',
-           'dropless_moe_reference', 'grouped_gemm_kernel', 'grouped_gemm_weight_grad_kernel', 'grouped_gemm_triton',
+           'FAST_PATHS', 'FAST_GEMM', 'FAST_SWIGLU', 'CAPACITY_PLAN_BLOCK', 'BENCHMARK_ARMS', 'COMPILE_MODES',
+           'RouterLogits', 'route_tokens', 'load_balance_loss', 'load_balance_weight', 'expert_capacity',
+           'capacity_slots', 'expert_swiglu_reference', 'capacity_moe_reference', 'dropless_moe_reference',
+           'grouped_gemm_kernel', 'grouped_gemm_weight_grad_kernel', 'grouped_gemm_triton',
            'pointer_weight_grad_triton', 'grouped_gemm_reference', 'tma_weight_grad_kernel', 'tma_weight_grad_applies',
            'tma_weight_grad_triton', 'grouped_gemm_weight_grad_triton', 'gather_rows_kernel', 'combine_rows_kernel',
            'gather_rows_triton', 'combine_rows_triton', 'router_logits_kernel', 'router_rowdot_kernel',
            'router_grad_w_kernel', 'router_backward_kernel', 'router_logits_triton', 'route_tokens_triton',
            'router_backward_triton', 'router_weight_grad_triton', 'router_parity_errors', 'library_support',
            'ExpertBackends', 'expert_backends', 'dropless_row_align', 'grouped_gemm_swiglu_fast',
-           'grouped_gemm_swiglu_backward_fast', 'grouped_gemm_library', 'grouped_gemm_weight_grad_library',
-           'grouped_gemm_per_expert', 'grouped_gemm_weight_grad_per_expert', 'RoutingPlan', 'capacity_plan_kernel',
-           'capacity_plan_reference', 'capacity_plan', 'dropless_plan', 'host_group_bounds',
-           'routed_swiglu_backward_kernel', 'routed_swiglu_backward', 'MoeExperts', 'moe_experts_triton', 'MoeRouted',
-           'MoeFeedForward', 'moe_parameter_count', 'naive_moe_loop', 'check_moe_against_loop',
-           'compare_triton_to_torch', 'check_empty_expert', 'saved_tensor_bytes', 'expert_saved_bytes',
-           'accumulation_gradients', 'benchmark_arms', 'benchmark_suite']
+           'grouped_gemm_library', 'grouped_gemm_weight_grad_library', 'grouped_gemm_per_expert',
+           'grouped_gemm_weight_grad_per_expert', 'RoutingPlan', 'capacity_plan_kernel', 'capacity_plan_reference',
+           'capacity_plan', 'dropless_plan', 'host_group_bounds', 'routed_swiglu_backward_kernel',
+           'routed_swiglu_backward', 'MoeExperts', 'moe_experts_triton', 'MoeRouted', 'MoeFeedForward',
+           'moe_parameter_count', 'naive_moe_loop', 'check_moe_against_loop', 'compare_triton_to_torch',
+           'check_empty_expert', 'saved_tensor_bytes', 'expert_saved_bytes', 'accumulation_gradients', 'benchmark_arms',
+           'benchmark_suite']
 
 # %% ../nbs/03_moe.ipynb #d120d79d
 import functools, math, os, sys, time
@@ -742,14 +742,11 @@ def expert_backends(dtype, device, uniform_groups, strides_aligned=True):
 # the same for gate_up returning (hidden, act) with the SwiGLU done in the GEMM's epilogue; either returns None where
 # it does not take the inputs (then bmm or _grouped_mm, and swiglu_forward, run). 'dropless_row_align' is fn(x)
 # returning the row multiple at which dropless groups must start for those kernels to take them (1: they would not).
-# 'grouped_gemm_swiglu_backward' is fn(grad_rows, down_t, hidden, row_assignment, weights, capacity, group_starts,
-# group_ends, row_align) returning (w * act, d weights): down's input gradient with routed_swiglu_backward in its
-# epilogue (d hidden over hidden), or None. FAST_GEMM = False keeps the library's kernels (a knob: the benchmark's
-# cuBLAS arms); FAST_SWIGLU = False keeps the fast GEMM but runs the SwiGLU forward and backward as their own passes.
+# FAST_GEMM = False keeps the library's kernels (a knob: the benchmark's cuBLAS arms); FAST_SWIGLU = False keeps the
+# fast GEMM but runs the SwiGLU as its own pass.
 FAST_PATHS = {}
 FAST_GEMM = True
 FAST_SWIGLU = True
-FAST_SWIGLU_BACKWARD = True   # False: the SwiGLU backward as its own pass, the forward's epilogue kept
 
 def dropless_row_align(x):
     "The row multiple at which the dropless plan starts each expert's group: the registered kernels' tile where they run on x, else 1."
@@ -760,15 +757,6 @@ def grouped_gemm_swiglu_fast(rows, gate_up, plan):
     "(hidden (R, 2FF), act (R, FF)) from the registered GEMM with the SwiGLU in its epilogue, or None (no fast path, or refused)."
     if (plan.capacity or plan.row_align > 1) and FAST_GEMM and FAST_SWIGLU and (fast := FAST_PATHS.get("grouped_gemm_swiglu")):
         return fast(rows, gate_up, plan.capacity, plan.group_starts, plan.group_ends, plan.row_align)
-    return None
-
-def grouped_gemm_swiglu_backward_fast(grad_rows, down, hidden, plan, weights):
-    """(w * act (R, FF), d weights (N, k) fp32) from the registered down input gradient with `routed_swiglu_backward`
-    in its epilogue, d hidden written over hidden; or None (no fast path, or refused)."""
-    if ((plan.capacity or plan.row_align > 1) and FAST_GEMM and FAST_SWIGLU and FAST_SWIGLU_BACKWARD
-            and (fast := FAST_PATHS.get("grouped_gemm_swiglu_backward"))):
-        return fast(grad_rows, down.transpose(1, 2), hidden, plan.row_assignment, weights, plan.capacity, plan.group_starts,
-                    plan.group_ends, plan.row_align)
     return None
 
 def grouped_gemm_library(rows, weight, group_starts, group_ends, capacity=0, row_align=1):
@@ -1020,16 +1008,13 @@ def _experts_backward(ctx, grad_y, weights, rows, hidden, plan):
     # 1. un-combine: each row gets its token's dy, not yet weighted
     grad_out = gather_rows_triton(grad_y.contiguous(), plan.row_token)                            # (R, D)
     # 2. down's input gradient, of the unweighted rows
+    grad_act = _expert_gemm(grad_out, down.transpose(1, 2), plan, backends, block_m, bounds)   # (R, FF)
     # 3. SwiGLU, in place: d_hidden (weighted) over hidden, w * act over grad_act, and <grad_act, act> per row,
     #    which is <dy, expert_out>: the routing weight's gradient, without keeping expert_out
-    fused = grouped_gemm_swiglu_backward_fast(grad_out, down, hidden, plan, weights) if backends.gemm == "library" else None
-    if fused is not None: weighted_act, grad_weights = fused                                  # 2 and 3 in one kernel
-    else:
-        weighted_act = _expert_gemm(grad_out, down.transpose(1, 2), plan, backends, block_m, bounds)   # (R, FF) d act
-        grad_weights = routed_swiglu_backward(weighted_act, hidden, plan.row_assignment, weights)      # (N, k) fp32
+    grad_weights = routed_swiglu_backward(grad_act, hidden, plan.row_assignment, weights)             # (N, k) fp32
     ctx.hidden_overwritten = True
-    grad_hidden = hidden
-    del hidden
+    grad_hidden, weighted_act = hidden, grad_act
+    del grad_act, hidden
     # 4. down's weight gradient: sum over rows of (w act)^T dy
     grad_down = _expert_weight_grad(weighted_act, grad_out, down, plan, backends, ctx.write_main_grad, bounds) if down.requires_grad else None
     del weighted_act, grad_out
@@ -1290,7 +1275,6 @@ BENCHMARK_ARMS = {   # arm: (dispatch, impl, knobs); the first arm is compiled, 
     "triton dropless": ("dropless", "triton", {"EXPERT_GEMM": "triton", "EXPERT_WEIGHT_GRAD": "triton"}),
     "library capacity": ("capacity", "triton", {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "auto"}),
     "library capacity, bmm only": ("capacity", "triton", {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "auto", "FAST_GEMM": False}),
-    "library capacity, SwiGLU backward as its own pass": ("capacity", "triton", {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "auto", "FAST_SWIGLU_BACKWARD": False}),
     "library capacity, separate SwiGLU": ("capacity", "triton", {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "auto", "FAST_SWIGLU": False}),
     "library dropless": ("dropless", "triton", {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "auto"}),
     "library dropless, grouped_mm only": ("dropless", "triton", {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "auto", "FAST_GEMM": False}),
@@ -1370,14 +1354,13 @@ def benchmark_suite(quick=False, rounds=5):
             takes_groups = dispatch == "capacity" or dropless_row_align(x) > 1
             fast_gemm = bool(backends and backends.gemm == "library" and takes_groups and FAST_PATHS and FAST_GEMM)
             fast_swiglu = fast_gemm and "grouped_gemm_swiglu" in FAST_PATHS and FAST_SWIGLU
-            fast_swiglu_backward = fast_swiglu and "grouped_gemm_swiglu_backward" in FAST_PATHS and FAST_SWIGLU_BACKWARD
         rows.append(dict(arm=name, ms=mean, ms_min=min(ts), ms_max=max(ts), tflops=flops / mean / 1e9,
                          speedup_vs_compile=base / mean, speedup_vs_best_compile=sum(times[best_compile]) / rounds / mean,
                          speedup_ci95=(high - low) / 2 if low is not None else None,
                          speedup_ci95_low=low, speedup_ci95_high=high, first_call_s=first_call_s[name],
                          peak_step_gib=peaks[name] / 2**30, saved_gib=saved_bytes[name] / 2**30 if name in saved_bytes else None,
                          dispatch=dispatch, gemm=backends.gemm if backends else impl,
-                         fast_gemm=fast_gemm, fast_swiglu=fast_swiglu, fast_swiglu_backward=fast_swiglu_backward, weight_grad=backends.weight_grad if backends else impl,
+                         fast_gemm=fast_gemm, fast_swiglu=fast_swiglu, weight_grad=backends.weight_grad if backends else impl,
                          weight_grad_note=backends.weight_grad_note if backends else "autograd, bf16",
                          tokens=N, d_model=D, expert_d_ff=FF, experts=E, top_k=k))
     by_arm = {r["arm"]: r for r in rows}

@@ -27,14 +27,13 @@ time limit (an mbarrier mistake hangs rather than fails), then checked against f
 last expert, then timed, arms alternated over ROUNDS rounds, with a 95% interval on the ratio to cuBLAS.
 
 Gluon has no interpreter, so the math is only checked on a GPU: `python tests/moe_gluon_gemm.py` (writes
-$OUT/moe_gluon_gemm.json when OUT is set; GEMMS="down dgrad" times that product alone); `python tests/moe_gluon_gemm.py --compile` compiles every config for sm_90
+$OUT/moe_gluon_gemm.json when OUT is set); `python tests/moe_gluon_gemm.py --compile` compiles every config for sm_90
 without a GPU (run it under the GPU's Triton, 3.6) and prints registers, spills and shared memory."""
 import json, os, re, subprocess, sys, time
 import torch
 import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from rtrainer.moe_hopper import (gluon_grouped_gemm_kernel, hopper_grouped_gemm, hopper_swiglu_backward, CONSUMER_REGS,
-                                 SWIGLU_BACKWARD_REGS)
+from rtrainer.moe_hopper import gluon_grouped_gemm_kernel, hopper_grouped_gemm, CONSUMER_REGS
 
 E, C, D, FF = 8, 4096, 3072, 4096
 ROUNDS = 5
@@ -42,32 +41,23 @@ SMOKE_TIMEOUT_S = 90
 # (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M): BLOCK_M rows are split between the two consumer warpgroups
 CONFIGS = [(128, 256, 64, 3, 8), (128, 128, 64, 5, 8), (128, 256, 64, 3, 16)]
 SWIGLU_CONFIGS = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8)]
-SWIGLU_BACKWARD_CONFIGS = [(128, 128, 64, 5, 8), (128, 128, 64, 4, 8)]   # down's input gradient + the SwiGLU backward
 
-def _compile_sm90(config, swiglu, trans_b=False, varlen=False, swiglu_bwd=False):
+def _compile_sm90(config, swiglu, trans_b=False, varlen=False):
     "Compile for sm_90 without a GPU: ((registers, spills), shared memory bytes)."
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from sm90_compile import compile_gluon_sm90
     block_m, block_n, block_k, stages, group_m = config
-    regs, epilogue_regs = SWIGLU_BACKWARD_REGS if swiglu_bwd else (CONSUMER_REGS, 0)
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, GROUP_M=group_m, SWIGLU=swiglu,
-                  SWIGLU_BWD=swiglu_bwd, TRANS_B=trans_b, VARLEN=varlen, REGS=regs, EPILOGUE_REGS=epilogue_regs, num_warps=4)
+                  TRANS_B=trans_b, VARLEN=varlen, REGS=CONSUMER_REGS, num_warps=4)
     out_cols = block_n // 2 if swiglu else block_n
     descs = dict(a_desc=(block_m, block_k), b_desc=(block_n, block_k) if trans_b else (block_k, out_cols),
-                 c_desc=(block_m // 2, out_cols), aux_desc=(block_m // 2, block_n) if swiglu_bwd else (block_m // 2, block_n // 2))
-    pointer = lambda t: t if swiglu_bwd else "*bf16"                           # the launcher passes rows where unused
-    types = dict(starts_ptr=pointer("*i32"), ends_ptr=pointer("*i32"), assignment_ptr=pointer("*i64"), weight_ptr=pointer("*fp32"),
-                 dweight_ptr=pointer("*fp32"))
-    if varlen: types.update(starts_ptr="*i32", ends_ptr="*i32")
+                 c_desc=(block_m // 2, out_cols), act_desc=(block_m // 2, block_n // 2))
+    types = dict(starts_ptr="*i32", ends_ptr="*i32")
     usage, shared, _ = compile_gluon_sm90(gluon_grouped_gemm_kernel, consts, descs, warps=4, types=types,
                                           hints=["K", "N", "rows_per_expert", "starts_ptr", "ends_ptr"])   # as at the moe4b shapes
     return usage, shared
 
 def compile_check():
-    for config, varlen in ((SWIGLU_BACKWARD_CONFIGS[0], False), (SWIGLU_BACKWARD_CONFIGS[0], True), (SWIGLU_BACKWARD_CONFIGS[1], False)):
-        what = f"swiglu backward varlen={varlen} {config}"
-        try: (regs, spills), smem = _compile_sm90(config, False, True, varlen, True); print(f"{what}: {regs} registers, spills {spills}, shared {smem} bytes")
-        except Exception as exc: print(f"{what}: does not compile: {str(exc).splitlines()[0][:300]}")
     for swiglu, trans_b, configs in ((False, False, CONFIGS), (True, False, SWIGLU_CONFIGS), (False, True, CONFIGS)):
         for config, varlen in [(c, False) for c in configs] + [(configs[0], True)]:
             what = f"swiglu={swiglu} trans_b={trans_b} varlen={varlen} {config}"
@@ -96,67 +86,32 @@ def _check(a, w, out, act=None, sample=256):
             errs.append(((act[r].double() - act_want).norm() / act_want.norm()).item())
     return max(errs)
 
-def _routing(R, seed=0):
-    "(row_assignment (R,) int64 with 5% unused rows (-1), routing weights (A/2, 2) fp32) for R rows."
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    A = R - R // 20 // 2 * 2
-    row_assignment = torch.randperm(R, device="cuda", generator=g)
-    row_assignment = torch.where(row_assignment < A, row_assignment, -1)
-    return row_assignment, torch.rand(A // 2, 2, device="cuda", generator=g)
-
-def _backward_separate(grad_rows, down_t, hidden, row_assignment, weights, config):
-    "Down's input gradient (the kernel at config, or cuBLAS with None), then routed_swiglu_backward: (w * act, d weights)."
-    from rtrainer.moe import routed_swiglu_backward
-    d = (hopper_grouped_gemm(grad_rows, down_t, config)[0] if config else
-         torch.bmm(grad_rows.view(E, -1, grad_rows.shape[1]), down_t).flatten(0, 1))
-    return d, routed_swiglu_backward(d, hidden, row_assignment, weights)
-
-def rel_err(a, b): return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-def _check_backward(grad_rows, down_t, hidden, config):
-    """Largest relative error (and each) of the SwiGLU backward in the kernel against the separate pass after the
-    kernel's plain product at the same config: the same sums, so only the pass's arithmetic can differ."""
-    row_assignment, weights = _routing(grad_rows.shape[0])
-    h_sep, h_fused = hidden.clone(), hidden.clone()
-    wact_sep, dw_sep = _backward_separate(grad_rows, down_t, h_sep, row_assignment, weights, config)
-    wact, dw = hopper_swiglu_backward(grad_rows, down_t, h_fused, row_assignment, weights, config)
-    errs = [rel_err(wact, wact_sep), rel_err(h_fused, h_sep), rel_err(dw, dw_sep)]
-    return max(errs), errs
-
 def smoke():
-    """Small launches of every config (run in a child process with a time limit by the GPU main); kinds 0 plain,
-    1 swiglu, 2 transposed, 3 the SwiGLU backward in down's input gradient."""
-    for kind, configs in ((0, CONFIGS), (1, SWIGLU_CONFIGS), (2, CONFIGS), (3, SWIGLU_BACKWARD_CONFIGS)):
+    "Small launches of every config (run in a child process with a time limit by the GPU main); kinds 0 plain, 1 swiglu, 2 transposed."
+    for kind, configs in ((0, CONFIGS), (1, SWIGLU_CONFIGS), (2, CONFIGS)):
         for i, config in enumerate(configs):
             print(f"SMOKE {kind} {i} started", flush=True)
-            a, w = _problem(256, 512, rows=256, transposed=kind >= 2)
-            if kind == 3:
-                err = _check_backward(a, w, torch.randn(a.shape[0], 2 * w.shape[2], device="cuda").bfloat16(), config)[0]
-            else:
-                out, act = hopper_grouped_gemm(a, w, config, swiglu=kind == 1)
-                err = _check(a, w, out, act)
+            a, w = _problem(256, 512, rows=256, transposed=kind == 2)
+            out, act = hopper_grouped_gemm(a, w, config, swiglu=kind == 1)
             torch.cuda.synchronize()
-            print(f"SMOKE {kind} {i} ok {err:.2e}", flush=True)
+            print(f"SMOKE {kind} {i} ok {_check(a, w, out, act):.2e}", flush=True)
 
 def gpu_main():
     from rtrainer.kernels import median_ms, ratio_interval, alternation
     from rtrainer.kernels import swiglu_forward
     payload = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                   shapes=dict(E=E, C=C, D=D, FF=FF), rounds=ROUNDS, configs=CONFIGS, swiglu_configs=SWIGLU_CONFIGS,
-                   swiglu_backward_configs=SWIGLU_BACKWARD_CONFIGS, smoke=None, rows=[])
+                   shapes=dict(E=E, C=C, D=D, FF=FF), rounds=ROUNDS, configs=CONFIGS, swiglu_configs=SWIGLU_CONFIGS, smoke=None, rows=[])
     try:
         r = subprocess.run([sys.executable, os.path.abspath(__file__), "--smoke"], capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
         out, note = r.stdout, "" if r.returncode == 0 else f"exit {r.returncode}: {r.stderr.strip()[-600:]}"
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         note = f"hung: stopped after {SMOKE_TIMEOUT_S} s"
-    alive = {(int(s), int(i)) for s, i in re.findall(r"SMOKE (\d) (\d+) ok", out)}   # (kind as in smoke(), config)
+    alive = {(int(s), int(i)) for s, i in re.findall(r"SMOKE (\d) (\d+) ok", out)}   # (0 plain, 1 swiglu, 2 transposed, config)
     payload["smoke"] = dict(alive=sorted(alive), note=note, out=out[-2000:])
     print("smoke:", sorted(alive), note, out[-800:], flush=True)
-    only = [g for g in os.environ.get("GEMMS", "").split(",") if g]              # GEMMS="down dgrad": that product alone
     for name, K, N, transposed in (("gate_up", D, 2 * FF, False), ("down", FF, D, False), ("down dgrad", D, FF, True),
                                    ("gate_up dgrad", 2 * FF, D, True)):
-        if only and name not in only: continue
         a, w = _problem(K, N, transposed=transposed)
         flops = 2 * E * C * K * N
         arms = {"cublas bmm": lambda: torch.bmm(a.view(E, C, K), w)}
@@ -175,38 +130,20 @@ def gpu_main():
                 payload["rows"].append(dict(gemm=name, arm=f"gluon + swiglu {config}", check_rel_error=err))
                 print(name, "swiglu", config, "check", f"{err:.2e}", flush=True)
                 if err < 1e-2: arms[f"gluon + swiglu {config}"] = lambda config=config: hopper_grouped_gemm(a, w, config, swiglu=True)
-        if name == "down dgrad":                                             # with the SwiGLU backward after it, or in it
-            hidden = torch.randn(E * C, 2 * FF, device="cuda").bfloat16()   # overwritten by every call: the values drift
-            row_assignment, weights = _routing(E * C)
-            arms["cublas bmm + routed_swiglu_backward"] = lambda: _backward_separate(a, w, hidden, row_assignment, weights, None)
-            for config in CONFIGS + SWIGLU_BACKWARD_CONFIGS:
-                if f"gluon {config}" in arms or config in SWIGLU_BACKWARD_CONFIGS:
-                    arms[f"gluon {config} + routed_swiglu_backward"] = (
-                        lambda config=config: _backward_separate(a, w, hidden, row_assignment, weights, config))
-            for i, config in enumerate(SWIGLU_BACKWARD_CONFIGS):
-                if (3, i) not in alive: continue
-                err, errs = _check_backward(a, w, hidden, config)
-                payload["rows"].append(dict(gemm=name, arm=f"gluon + swiglu backward {config}", check_rel_error=err,
-                                            check_rel_errors_wact_dhidden_dweights=errs))
-                print(name, "swiglu backward", config, "check against the separate pass", errs, flush=True)
-                if err < 1e-2:
-                    arms[f"gluon + swiglu backward {config}"] = (
-                        lambda config=config: hopper_swiglu_backward(a, w, hidden, row_assignment, weights, config))
         for fn in arms.values(): fn()
         times = {arm: [] for arm in arms}
         for r in range(ROUNDS):
             for arm in alternation(arms, r): times[arm].append(median_ms(arms[arm]))
         for arm, ts in times.items():
-            base = times["cublas bmm + routed_swiglu_backward" if "backward" in arm else
-                         "cublas bmm + swiglu_forward" if "swiglu" in arm else "cublas bmm"]
+            base = times["cublas bmm + swiglu_forward" if "swiglu" in arm else "cublas bmm"]
             mean, low, high = ratio_interval([b / t for b, t in zip(base, ts)])
             ms = sum(ts) / len(ts)
             payload["rows"].append(dict(gemm=name, arm=arm, ms=ms, tflops=flops / ms / 1e9, speed_vs_cublas=mean, ci95_low=low, ci95_high=high))
-    print(f"\n{'gemm':8s} {'arm':56s} {'ms':>7s} {'TFLOP/s':>8s} {'vs cuBLAS':>10s} {'95% interval':>16s}")
+    print(f"\n{'gemm':8s} {'arm':52s} {'ms':>7s} {'TFLOP/s':>8s} {'vs cuBLAS':>10s} {'95% interval':>16s}")
     for row in payload["rows"]:
         if "ms" in row:
             ci = f"[{row['ci95_low']:.3f}, {row['ci95_high']:.3f}]" if row["ci95_low"] is not None else ""
-            print(f"{row['gemm']:8s} {row['arm']:56s} {row['ms']:7.3f} {row['tflops']:8.1f} {row['speed_vs_cublas']:10.3f} {ci:>16s}")
+            print(f"{row['gemm']:8s} {row['arm']:52s} {row['ms']:7.3f} {row['tflops']:8.1f} {row['speed_vs_cublas']:10.3f} {ci:>16s}")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "moe_gluon_gemm.json"), "w") as f: json.dump(payload, f, indent=1)
 

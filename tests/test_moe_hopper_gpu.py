@@ -1,4 +1,4 @@
-"GPU checks of the Hopper MoE GEMM (03a): the Gluon grouped GEMM against float64 (uniform and aligned dropless groups), its SwiGLU epilogue, the SwiGLU backward in down's input gradient, the bf16 layers that take them."
+"GPU checks of the Hopper MoE GEMM (03a): the Gluon grouped GEMM against float64 (uniform and aligned dropless groups), its SwiGLU epilogue, the bf16 layers that take it."
 import pytest, torch
 if not torch.cuda.is_available(): pytest.skip("needs a CUDA GPU", allow_module_level=True)
 if torch.cuda.get_device_capability()[0] != 9: pytest.skip("the Gluon kernel is for Hopper (sm_90)", allow_module_level=True)
@@ -66,61 +66,6 @@ def test_hopper_grouped_gemm_aligned_groups(sizes, K, N, swiglu, transposed):
         if swiglu: assert torch.equal(act[s:t], swiglu_forward(out[s:t]))
     assert out[R - 100:].isnan().all()                                         # past the last group's tiles: not written
 
-def _swiglu_backward_float64(d, hidden, row_assignment, weights):
-    "routed_swiglu_backward's results in float64 from d act (float64) and the bf16 hidden: (w * act, d hidden, d weights)."
-    gate, up = hidden.double().chunk(2, dim=1)
-    a = row_assignment
-    w = torch.where(a >= 0, weights.flatten().double()[a.clamp_min(0)], 0.0)[:, None]
-    s = torch.sigmoid(gate)
-    act = gate * s * up
-    dy = d * w
-    dweights = torch.zeros(weights.numel(), dtype=torch.float64, device=d.device)
-    dweights.index_add_(0, a[a >= 0], (d * act).sum(1)[a >= 0])
-    return w * act, torch.cat([dy * up * s * (1 + gate * (1 - s)), dy * gate * s], dim=1), dweights.view(weights.shape)
-
-@pytest.mark.parametrize("config", [moe_hopper.SWIGLU_BACKWARD_CONFIG, (128, 128, 64, 3, 8)])
-@pytest.mark.parametrize("sizes,D,FF", [(256, 192, 256), (512, 128, 1280), ([300, 0, 128, 1], 192, 512),
-                                        ([77, 129, 0, 256, 640, 3, 1000, 12], 320, 768)])
-def test_hopper_swiglu_backward(sizes, D, FF, config):
-    """Down's input gradient with the SwiGLU backward in the kernel, on capacity groups (8 of `sizes` rows; 512 x 1280:
-    320 tiles of 128 x 128, some programs take three) and aligned dropless groups: w * act, d hidden (in place) and the
-    routing weights' gradient against float64, and against the separate pass after the same product."""
-    torch.manual_seed(D + FF)
-    if isinstance(sizes, int): E, groups, R = 8, None, 8 * sizes
-    else: E, (starts, ends, R) = len(sizes), _aligned_groups(sizes); groups = (starts, ends)
-    grad_rows = torch.randn(R, D, device="cuda").bfloat16()
-    down_t = (torch.randn(E, FF, D, device="cuda") / D ** 0.5).bfloat16().transpose(1, 2)
-    hidden = torch.randn(R, 2 * FF, device="cuda").bfloat16()
-    A = (R - R // 10) // 2 * 2
-    row_assignment = torch.randperm(R, device="cuda")
-    row_assignment = torch.where(row_assignment < A, row_assignment, -1)           # a tenth of the rows unused
-    if groups is None: covered = torch.ones(R, dtype=torch.bool, device="cuda")
-    else:
-        covered = torch.zeros(R, dtype=torch.bool, device="cuda")
-        for s, t in zip(starts.tolist(), ends.tolist()):
-            covered[s:(t + 127) // 128 * 128 if t > s else s] = True                  # the groups' tiles
-    weights = torch.rand(A // 2, 2, device="cuda")
-    bounds = [(e * sizes, (e + 1) * sizes) for e in range(E)] if groups is None else list(zip(starts.tolist(), ends.tolist()))
-    in_group = torch.zeros(R, dtype=torch.bool, device="cuda")
-    for s, t in bounds: in_group[s:t] = True
-    grad_rows[~in_group] = 0                                                        # the layer's empty rows: zero, weight 0
-    row_assignment = torch.where(in_group, row_assignment, -1)
-    assert moe_hopper._swiglu_backward_refusal(grad_rows, down_t, hidden, row_assignment, weights, config) is None
-    d64 = torch.zeros(R, FF, dtype=torch.float64, device="cuda")
-    for e, (s, t) in enumerate(bounds): d64[s:t] = grad_rows[s:t].double() @ down_t[e].double()
-    wact64, dhidden64, dweights64 = _swiglu_backward_float64(d64, hidden, row_assignment, weights)
-    h_sep, h_fused = hidden.clone(), hidden.clone()
-    d_sep = moe_hopper.hopper_grouped_gemm(grad_rows, down_t, config, groups=groups)[0]
-    dweights_sep = moe.routed_swiglu_backward(d_sep, h_sep, row_assignment, weights)
-    wact, dweights = moe_hopper.hopper_swiglu_backward(grad_rows, down_t, h_fused, row_assignment, weights, config, groups)
-    c = covered
-    errors = dict(wact=rel(wact[c], wact64[c]), dhidden=rel(h_fused[c], dhidden64[c]), dweights=rel(dweights, dweights64),
-                  wact_sep=rel(wact[c], d_sep[c]), dhidden_sep=rel(h_fused[c], h_sep[c]), dweights_sep=rel(dweights, dweights_sep))
-    print(sizes, D, FF, config, errors)
-    assert max(errors[k] for k in ("wact", "dhidden", "dweights")) < 1e-2, errors
-    assert max(errors[k] for k in ("wact_sep", "dhidden_sep", "dweights_sep")) < 1e-3, errors
-    assert torch.equal(h_fused[~c], hidden[~c])                                     # rows outside the tiles: untouched
-
 def test_hopper_refusals():
     rows, weight = torch.zeros(2 * 128, 128, device="cuda", dtype=torch.bfloat16), torch.zeros(2, 128, 256, device="cuda", dtype=torch.bfloat16)
     assert moe_hopper.hopper_gemm_refusal(rows, weight, 128) is None
@@ -135,25 +80,14 @@ def test_hopper_refusals():
     assert "not of 128" in moe_hopper.hopper_gemm_refusal(rows, weight, 0, row_align=64)
     assert moe_hopper.hopper_gemm_refusal(rows, weight, 0, row_align=256) is None
     assert moe_hopper._dropless_row_align(rows) == 128 and moe_hopper._dropless_row_align(rows.float()) == 1
-    down_t = torch.zeros(2, 256, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)          # FF 256
-    hidden, ra, w = torch.zeros(256, 512, device="cuda", dtype=torch.bfloat16), torch.zeros(256, dtype=torch.int64, device="cuda"), torch.ones(128, 2, device="cuda")
-    config = moe_hopper.SWIGLU_BACKWARD_CONFIG
-    assert moe_hopper._swiglu_backward_refusal(rows, down_t, hidden, ra, w, config) is None
-    assert "transpose" in moe_hopper._swiglu_backward_refusal(rows, down_t.contiguous(), hidden, ra, w, config)
-    assert "hidden" in moe_hopper._swiglu_backward_refusal(rows, down_t, hidden[:, :256], ra, w, config)
-    assert "int64" in moe_hopper._swiglu_backward_refusal(rows, down_t, hidden, ra.int(), w, config)
-    assert "128 x 128" in moe_hopper._swiglu_backward_refusal(rows, down_t, hidden, ra, w, moe_hopper.GEMM_CONFIG)
-    with pytest.raises(ValueError, match="hopper_swiglu_backward: hidden"):
-        moe_hopper.hopper_swiglu_backward(rows, down_t, hidden.float(), ra, w)
     with pytest.raises(ValueError, match="groups must be two"):
         moe_hopper.hopper_grouped_gemm(rows, weight, groups=(torch.zeros(2, device="cuda", dtype=torch.int64),) * 2)
 
 @pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
-@pytest.mark.parametrize("knobs,calls,swiglu_calls,backward_calls", [({}, 4, 1, 1), ({"FAST_SWIGLU_BACKWARD": False}, 4, 1, 0),
-                                                                     ({"FAST_SWIGLU": False}, 4, 0, 0), ({"FAST_GEMM": False}, 0, 0, 0)])
-def test_bf16_layer_takes_the_hopper_gemm(knobs, calls, swiglu_calls, backward_calls, dispatch):
+@pytest.mark.parametrize("knobs,calls,swiglu_calls", [({}, 4, 1), ({"FAST_SWIGLU": False}, 4, 0), ({"FAST_GEMM": False}, 0, 0)])
+def test_bf16_layer_takes_the_hopper_gemm(knobs, calls, swiglu_calls, dispatch):
     """4,096 tokens, top-2 of 8 experts (capacity 1,024; dropless: groups aligned to 128 rows): the two forward and two
-    input-gradient products take the kernel, the SwiGLU forward and backward in two of them unless a knob says not."""
+    input-gradient products take the kernel."""
     torch.manual_seed(1)
     N, D, FF, E, k = 4096, 512, 512, 8, 2
     layer = MoeFeedForward(D, FF, E, k, dispatch=dispatch, impl="triton", dtype=torch.bfloat16, device="cuda")
@@ -167,12 +101,10 @@ def test_bf16_layer_takes_the_hopper_gemm(knobs, calls, swiglu_calls, backward_c
     for p in layer.parameters(): p.main_grad = torch.full(p.shape, float("nan"), device="cuda")
     start_gradient_step(layer.parameters())
     swiglu_key = "swiglu" if dispatch == "capacity" else "swiglu dropless"
-    backward_key = "swiglu backward" if dispatch == "capacity" else "swiglu backward dropless"
-    before, swiglu_before, backward_before = sum(moe_hopper.CALLS.values()), moe_hopper.CALLS[swiglu_key], moe_hopper.CALLS[backward_key]
+    before, swiglu_before = sum(moe_hopper.CALLS.values()), moe_hopper.CALLS[swiglu_key]
     with knob_values(moe, {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "library", **knobs}):
         y = layer(x); ((y.double() * probe).sum() + 0.37 * layer.last_stats["load_balance_loss"].double()).backward()
     assert sum(moe_hopper.CALLS.values()) - before == calls and moe_hopper.CALLS[swiglu_key] - swiglu_before == swiglu_calls
-    assert moe_hopper.CALLS[backward_key] - backward_before == backward_calls
     y64 = oracle(x64); ((y64 * probe).sum() + 0.37 * oracle.last_stats["load_balance_loss"]).backward()
     assert torch.equal(layer.last_stats["expert_load"], oracle.last_stats["expert_load"].float())
     errors = dict(y=rel(y, y64), x=rel(x.grad, x64.grad),
