@@ -900,13 +900,7 @@ def dropless_plan(top_experts, n_experts, row_align=1):
     sorted_experts, experts = flat[order], torch.arange(n_experts, device=flat.device)
     starts = torch.searchsorted(sorted_experts, experts)                 # first sorted row of each expert
     ends = torch.searchsorted(sorted_experts, experts, right=True)       # one past its last (bincount would sync)
-    if row_align == 1:
-        rows_of_assignment = torch.empty_like(order).scatter_(0, order, torch.arange(N * top_k, device=flat.device))
-        return RoutingPlan(row_token=(order // top_k).to(torch.int32), row_assignment=order,
-                           assignment_rows=rows_of_assignment.view(N, top_k).to(torch.int32),
-                           group_starts=starts.to(torch.int32), group_ends=ends.to(torch.int32),
-                           dropped_fraction=torch.zeros((), device=flat.device))
-    sizes = ends - starts
+    sizes = ends - starts                                                 # row_align 1: the packed plan, no empty rows
     padded = (sizes + row_align - 1) // row_align * row_align
     aligned_starts = torch.cumsum(padded, 0) - padded
     row_of_sorted = torch.arange(N * top_k, device=flat.device) + (aligned_starts - starts)[sorted_experts]

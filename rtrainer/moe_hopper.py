@@ -181,13 +181,19 @@ def hopper_gemm_refusal(rows, weight, capacity, config=GEMM_CONFIG, swiglu=False
     if not ENABLED: return "disabled (RTRAINER_HOPPER_MOE=0)"
     return _kernel_refusal(rows, weight, capacity, config, swiglu, row_align)
 
+def _device_refusal(rows):
+    "Why the kernel cannot run on rows' device and dtype, or None."
+    if not rows.is_cuda: return "not on a CUDA device"
+    if INTERPRETING: return "Triton's interpreter"
+    if rows.dtype != torch.bfloat16: return f"{rows.dtype} rows, not bf16"
+    if not _is_sm90(rows.device.index): return "not a Hopper (sm_90) GPU"
+    return None
+
 def _kernel_refusal(rows, weight, capacity, config, swiglu=False, row_align=0):
     "Why the kernel cannot run these operands, or None."
     block_m, block_n, block_k = config[:3]
-    if not rows.is_cuda: return "not on a CUDA device"
-    if INTERPRETING: return "Triton's interpreter"
-    if rows.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16: return f"{rows.dtype} rows, {weight.dtype} weight, not bf16"
-    if not _is_sm90(rows.device.index): return "not a Hopper (sm_90) GPU"
+    if (why := _device_refusal(rows)): return why
+    if weight.dtype != torch.bfloat16: return f"{weight.dtype} weight, not bf16"
     (R, K), (E, K_w, N) = rows.shape, weight.shape
     if K_w != K: return f"rows {tuple(rows.shape)} and weight {tuple(weight.shape)} do not make a product"
     if capacity:
@@ -252,8 +258,7 @@ def _fast_grouped_gemm_swiglu(rows, gate_up, capacity, group_starts, group_ends,
 
 def _dropless_row_align(x):
     "BLOCK_M where the kernel would run on x's rows (a CUDA bf16 tensor on a Hopper GPU), else 1."
-    ok = ENABLED and x.is_cuda and not INTERPRETING and x.dtype == torch.bfloat16 and _is_sm90(x.device.index)
-    return GEMM_CONFIG[0] if ok else 1
+    return GEMM_CONFIG[0] if ENABLED and _device_refusal(x) is None else 1
 
 FAST_PATHS.update(grouped_gemm=_fast_grouped_gemm, grouped_gemm_swiglu=_fast_grouped_gemm_swiglu,
                   dropless_row_align=_dropless_row_align)
