@@ -137,7 +137,9 @@ def _consumer(a_smem, b_smem, c_smem, c_desc, act_desc, ready, free, n_tiles, ti
         _epilogue(acc.to(gl.bfloat16), c_smem, c_desc, act_desc, row + CONS * HALF, n, N, BLOCK_N, SWIGLU)
     tma.store_wait(0)
 
-@gluon.jit
+# tiles_n is never specialized to a constant: at 1 (N == BLOCK_N) Triton 3.6 fails to lower the VARLEN kernel for sm_90
+# (ConvertTritonGPUToLLVM; a dropless layer with 2*FF = 256 hit it), and as an argument it costs nothing
+@gluon.jit(do_not_specialize=["tiles_n"])
 def gluon_grouped_gemm_kernel(a_desc, b_desc, c_desc, act_desc, n_tiles, tiles_m, tiles_n, K, N, rows_per_expert,
                               starts_ptr, ends_ptr, n_groups,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
