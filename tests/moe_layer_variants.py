@@ -1,6 +1,8 @@
 """The moe4b MoE layer (forward + backward, bf16, capacity and dropless) under tile configs of 03a's Gluon GEMM,
 against torch.compile: how a config measured on the four products alone (tests/moe_gluon_gemm.py) does where it counts.
 CONFIGS are (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M), set as rtrainer.moe_hopper.GEMM_CONFIG for an arm's steps.
+VARIANTS=backends times the default config under other weight-gradient backends instead (EXPERT_WEIGHT_GRAD: the TMA
+kernel on capacity groups, cuBLAS per expert on dropless ones), to tell the kernel from the group layout.
 Arms alternate over ROUNDS rounds in one process, each the median of many steps (rtrainer.kernels.median_ms), with a
 95% interval on the ratio to the first config's capacity arm. Run on the GPU: `python tests/moe_layer_variants.py`
 (writes $OUT/moe_layer_variants.json when OUT is set)."""
@@ -17,9 +19,17 @@ ROUNDS = int(os.environ.get("ROUNDS", 5))
 N, D, FF, E, K = 16_384, 3072, 4096, 8, 2
 LIBRARY = {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "auto"}
 CONFIGS = [(128, 256, 64, 3, 8), (128, 256, 64, 3, 16), (128, 256, 64, 3, 32)]
-ARMS = {"torch.compile capacity (default mode)": ("capacity", None)}   # name: (dispatch, GEMM config); None: compile
-ARMS.update({f"{dispatch} {config}": (dispatch, config) for dispatch in ("capacity", "dropless") for config in CONFIGS})
-BASE = f"capacity {CONFIGS[0]}"
+ARMS = {"torch.compile capacity (default mode)": ("capacity", None, {})}   # name: (dispatch, GEMM config, knobs); None: compile
+if os.environ.get("VARIANTS", "configs") == "backends":
+    ARMS.update({"capacity": ("capacity", CONFIGS[0], {}),
+                 "capacity, TMA weight gradient": ("capacity", CONFIGS[0], {"EXPERT_WEIGHT_GRAD": "triton"}),
+                 "dropless": ("dropless", CONFIGS[0], {}),
+                 "dropless, cuBLAS weight gradient per expert": ("dropless", CONFIGS[0], {"EXPERT_WEIGHT_GRAD": "per_expert"}),
+                 "dropless, TMA weight gradient 4 stages": ("dropless", CONFIGS[0], {"TMA_WGRAD_LAUNCH": {**moe.TMA_WGRAD_CONFIG, "num_stages": 4}})})
+    BASE = "capacity"
+else:
+    ARMS.update({f"{dispatch} {config}": (dispatch, config, {}) for dispatch in ("capacity", "dropless") for config in CONFIGS})
+    BASE = f"capacity {CONFIGS[0]}"
 
 def _grad(p):
     "A parameter's gradient: its fp32 main_grad where the kernels wrote one, else .grad."
@@ -31,17 +41,17 @@ def main():
     x = torch.randn(N, D, device="cuda", dtype=dt).requires_grad_()
     grad_y = torch.randn(N, D, device="cuda", dtype=dt)
     layers = {name: MoeFeedForward(D, FF, E, K, dispatch=dispatch, impl="torch" if config is None else "triton", dtype=dt, device="cuda")
-              for name, (dispatch, config) in ARMS.items()}
+              for name, (dispatch, config, _) in ARMS.items()}
     first = next(iter(layers.values()))
     with torch.no_grad():
         for layer in layers.values():
             for p, p0 in zip(layer.parameters(), first.parameters()): p.copy_(p0)
     def make_step(name):
-        dispatch, config = ARMS[name]
+        dispatch, config, knobs = ARMS[name]
         layer, params = layers[name], list(layers[name].parameters())
         module = torch.compile(layer) if config is None else layer
         def step():
-            with knob_values(moe, LIBRARY), knob_values(moe_hopper, {"GEMM_CONFIG": config or moe_hopper.GEMM_CONFIG}):
+            with knob_values(moe, {**LIBRARY, **knobs}), knob_values(moe_hopper, {"GEMM_CONFIG": config or moe_hopper.GEMM_CONFIG}):
                 _moe_layer_step(module, x, grad_y, params)
         return step
     steps = {name: make_step(name) for name in ARMS}

@@ -3,7 +3,8 @@ backward at the moe4b shape (16,384 tokens, D 3072, FF 4096, 8 experts, top-2, b
 (what `auto` runs), for torch.compile of the capacity reference and for the dropless arms on `_grouped_mm` (what
 `auto` runs) and per expert, and prints each arm's unprofiled step time and its GPU kernels grouped as GEMMs and the rest, per step (5 profiled steps after warm-up). Then it times the router's kernels at that shape over their block sizes,
 against PyTorch's fp32 products. Writes $OUT/moe_profile.json.
-`python tests/moe_profile.py` on a GPU."""
+`python tests/moe_profile.py` on a GPU; PROFILE_ARMS="arm;arm" picks arms (of moe.BENCHMARK_ARMS or EXTRA_ARMS below),
+ROUTER=0 skips the router sweep."""
 import json, os, sys
 from collections import defaultdict
 import torch
@@ -12,6 +13,11 @@ from rtrainer import moe
 from rtrainer import moe_hopper      # registers the Hopper GEMM (03a) for capacity groups; the "bmm only" arm turns it off
 
 STEPS = 5
+ARMS = ("library capacity", "library capacity, bmm only", "torch.compile capacity", "library dropless", "per-expert dropless")
+EXTRA_ARMS = {   # the weight gradient on the other backend: the TMA kernel on capacity groups, cuBLAS per expert on dropless ones
+    "library capacity, TMA weight gradient": ("capacity", "triton", {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "triton"}),
+    "library dropless, per-expert weight gradient": ("dropless", "triton", {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "per_expert"}),
+}
 
 def is_gemm(name):
     n = name.lower()
@@ -67,8 +73,9 @@ def main():
     x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16).requires_grad_()
     grad_y = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
     out = {"step_ms": {}}
-    for arm in ("library capacity", "library capacity, bmm only", "torch.compile capacity", "library dropless", "per-expert dropless"):
-        dispatch, impl, knobs = moe.BENCHMARK_ARMS[arm]
+    arms = os.environ["PROFILE_ARMS"].split(";") if os.environ.get("PROFILE_ARMS") else ARMS
+    for arm in arms:
+        dispatch, impl, knobs = {**moe.BENCHMARK_ARMS, **EXTRA_ARMS}[arm]
         layer = moe.MoeFeedForward(D, FF, E, k, dispatch=dispatch, impl=impl, dtype=torch.bfloat16, device="cuda")
         module = torch.compile(layer) if arm.startswith("torch.compile") else layer
         params = list(layer.parameters())
@@ -82,7 +89,7 @@ def main():
         print(f"\n== {arm}: step {step_ms:.3f} ms; kernels {gemm + rest:.3f} ms per step = GEMMs {gemm:.3f} + other {rest:.3f}")
         for name, v in sorted(kernels.items(), key=lambda kv: -kv[1]["ms"])[:28]:
             print(f"  {v['ms']:7.3f} ms  x{v['calls']:<3d} {'GEMM ' if is_gemm(name) else '     '}{name[:110]}")
-    out["router_sweep"] = router_sweep(x.detach())
+    if os.environ.get("ROUTER", "1") != "0": out["router_sweep"] = router_sweep(x.detach())
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "moe_profile.json"), "w") as f: json.dump(out, f, indent=1)
 
