@@ -817,7 +817,7 @@ class RoutingPlan:
     group_ends: torch.Tensor         # (E,) int32
     dropped_fraction: torch.Tensor   # () fp32
     capacity: int = 0                # rows of every group under capacity dispatch; 0 = dropless (groups of any size)
-    row_align: int = 1               # dropless: every group starts on a multiple of row_align rows (empty rows between)
+    row_align: int = 1               # dropless: every group is a multiple of row_align rows, its last ones empty
 
 @triton.jit
 def capacity_plan_kernel(
@@ -892,16 +892,17 @@ def capacity_plan(top_experts, n_experts, capacity_factor):
 
 def dropless_plan(top_experts, n_experts, row_align=1):
     """The routing plan of dropless dispatch: N*k rows sorted by expert, (token, rank) order within an expert. With
-    row_align > 1 each expert's group starts on a multiple of row_align rows: the gaps (and the tail) are empty rows, as
-    capacity's unused slots, N*k + E*(row_align - 1) rows in all, a size known without reading the counts on the host."""
+    row_align > 1 each expert's group is its rows padded with empty rows to a multiple of row_align (so it starts on
+    one), as capacity's unused slots are inside a group; the rows after the last group are empty too. N*k + E*(row_align - 1)
+    rows in all, a size known without reading the counts on the host."""
     N, top_k = top_experts.shape
     flat = top_experts.flatten()
     order = torch.argsort(flat, stable=True)
     sorted_experts, experts = flat[order], torch.arange(n_experts, device=flat.device)
     starts = torch.searchsorted(sorted_experts, experts)                 # first sorted row of each expert
     ends = torch.searchsorted(sorted_experts, experts, right=True)       # one past its last (bincount would sync)
-    sizes = ends - starts                                                 # row_align 1: the packed plan, no empty rows
-    padded = (sizes + row_align - 1) // row_align * row_align
+    sizes = ends - starts
+    padded = (sizes + row_align - 1) // row_align * row_align             # row_align 1: the packed plan, no empty rows
     aligned_starts = torch.cumsum(padded, 0) - padded
     row_of_sorted = torch.arange(N * top_k, device=flat.device) + (aligned_starts - starts)[sorted_experts]
     row_assignment = torch.full((N * top_k + n_experts * (row_align - 1),), -1, dtype=torch.int64, device=flat.device)
@@ -909,13 +910,13 @@ def dropless_plan(top_experts, n_experts, row_align=1):
     rows_of_assignment = torch.empty_like(order).scatter_(0, order, row_of_sorted)
     return RoutingPlan(row_token=torch.where(row_assignment >= 0, row_assignment // top_k, -1).to(torch.int32),
                        row_assignment=row_assignment, assignment_rows=rows_of_assignment.view(N, top_k).to(torch.int32),
-                       group_starts=aligned_starts.to(torch.int32), group_ends=(aligned_starts + sizes).to(torch.int32),
+                       group_starts=aligned_starts.to(torch.int32), group_ends=(aligned_starts + padded).to(torch.int32),
                        dropped_fraction=torch.zeros((), device=flat.device), row_align=row_align)
 
 def host_group_bounds(plan):
     "The E+1 row boundaries of the plan's groups as Python ints: from C under capacity, else read from the device (a sync)."
     if plan.capacity: return [e * plan.capacity for e in range(plan.group_starts.shape[0] + 1)]
-    return torch.cat([plan.group_starts[:1], plan.group_ends]).tolist()   # a group's range takes the empty rows before it
+    return torch.cat([plan.group_starts[:1], plan.group_ends]).tolist()   # each group ends where the next starts
 
 @triton.jit
 def routed_swiglu_backward_kernel(

@@ -365,16 +365,20 @@ def test_capacity_layer_takes_a_registered_swiglu_gemm(monkeypatch, act_scale):
         assert calls == []
 
 def test_dropless_plan_row_align():
-    "Groups start on multiples of row_align, the same rows in the same order as the packed plan, empty rows between."
+    "Groups of whole row_align blocks: the packed plan's rows in the same order, then empty rows up to the next group."
     top_experts = _uneven_routing(37, 5, 2, seed=3)                             # the last expert takes no rows
     packed, aligned = dropless_plan(top_experts, 5), dropless_plan(top_experts, 5, row_align=8)
     assert aligned.row_align == 8 and aligned.row_assignment.shape == (37 * 2 + 5 * 7,)
     assert torch.equal(aligned.group_starts % 8, torch.zeros(5, dtype=torch.int32))
-    assert torch.equal(aligned.group_ends - aligned.group_starts, packed.group_ends - packed.group_starts)
+    assert torch.equal(aligned.group_starts[1:], aligned.group_ends[:-1])         # contiguous groups
+    sizes = packed.group_ends - packed.group_starts
+    assert torch.equal(aligned.group_ends - aligned.group_starts, (sizes + 7) // 8 * 8)
     for e in range(5):
         a0, a1, p0, p1 = aligned.group_starts[e], aligned.group_ends[e], packed.group_starts[e], packed.group_ends[e]
-        assert torch.equal(aligned.row_assignment[a0:a1], packed.row_assignment[p0:p1])
-        assert torch.equal(aligned.row_token[a0:a1], packed.row_token[p0:p1])
+        n = p1 - p0
+        assert torch.equal(aligned.row_assignment[a0:a0 + n], packed.row_assignment[p0:p1])
+        assert torch.equal(aligned.row_token[a0:a0 + n], packed.row_token[p0:p1])
+        assert (aligned.row_token[a0 + n:a1] == -1).all()                        # the group's empty rows
     used = aligned.row_assignment >= 0
     assert used.sum() == 37 * 2 and torch.equal(aligned.row_token[~used], torch.full_like(aligned.row_token[~used], -1))
     rows = aligned.assignment_rows.flatten().long()
@@ -384,7 +388,7 @@ def test_dropless_plan_row_align():
 @pytest.mark.parametrize("gemm,weight_grad", [("library", "library"), ("library", "triton"), ("library", "per_expert"), ("auto", "auto")])
 def test_aligned_dropless_layer_matches_float64_reference(monkeypatch, gemm, weight_grad):
     """A registered kernel asks for dropless groups on multiples of 8 rows: the layer plans them so, and its math holds
-    on every backend (auto on a CPU: the Triton kernels, which leave the empty rows between groups unwritten)."""
+    on every backend (auto on a CPU: the Triton kernels), the weight gradients summing each group's empty rows as zeros."""
     if gemm == "library" and not GROUPED_MM_ON_CPU: pytest.skip("torch._grouped_mm does not run on this CPU")
     asked = []
     monkeypatch.setitem(moe.FAST_PATHS, "dropless_row_align", lambda x: asked.append(x.shape) or 8)
