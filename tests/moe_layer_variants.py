@@ -5,7 +5,7 @@ VARIANTS=backends times the default config under other weight-gradient backends 
 kernel on capacity groups, cuBLAS per expert on dropless ones), to tell the kernel from the group layout.
 Arms alternate over ROUNDS rounds in one process, each the median of many steps (rtrainer.kernels.median_ms), with a
 95% interval on the ratio to the first config's capacity arm. Run on the GPU: `python tests/moe_layer_variants.py`
-(writes $OUT/moe_layer_variants.json when OUT is set)."""
+(writes $OUT/moe_layer_variants.json, or moe_layer_backends.json, when OUT is set)."""
 import json, os, sys, time
 import torch
 import triton
@@ -86,7 +86,8 @@ def main():
         print(f"{row['arm']:60s} {row['ms']:7.3f} {row['ms_min']:7.3f} {row['ms_max']:7.3f} {fmt(row['speed_vs_base'], *row['base_ci95']):>22s} "
               f"{fmt(row['speed_vs_compile'], *row['compile_ci95']):>22s} {row['peak_step_gib']:5.2f}")
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "moe_layer_variants.json"), "w") as f: json.dump(payload, f, indent=1)
+        name = "moe_layer_backends.json" if os.environ.get("VARIANTS") == "backends" else "moe_layer_variants.json"
+        with open(os.path.join(os.environ["OUT"], name), "w") as f: json.dump(payload, f, indent=1)
 
 if __name__ == "__main__":
     if not torch.cuda.is_available(): sys.exit("moe_layer_variants: needs a CUDA GPU")
