@@ -8,23 +8,22 @@ Docs: https://example.invalid/rtrainer/rtrainer/moe.html.md"""
 __all__ = ['GROUPED_GEMM_BLOCK_M', 'ROW_BLOCK', 'TMA_WGRAD_CONFIG', 'INTERPRET_TMA_WGRAD_CONFIG', 'TMA_ALIGNMENT',
            'TMA_WGRAD_LAUNCH', 'COMBINE_ROUTER_TILE', 'ROUTER_BLOCK_ROWS', 'ROUTER_BLOCK_COLS', 'ROUTER_CHUNK_ROWS',
            'ROUTER_ROWDOT', 'ROUTER_ROWDOT_MAX_E', 'EXPERT_GEMM', 'EXPERT_WEIGHT_GRAD', 'EXPERT_BACKENDS', 'MOE_KNOBS',
-           'FAST_PATHS', 'FAST_GEMM', 'FAST_SWIGLU', 'CAPACITY_PLAN_BLOCK', 'BENCHMARK_ARMS', 'COMPILE_MODES',
-           'RouterLogits', 'route_tokens', 'load_balance_loss', 'load_balance_weight', 'expert_capacity',
-           'capacity_slots', 'expert_swiglu_reference', 'capacity_moe_reference', 'dropless_moe_reference',
-           'grouped_gemm_kernel', 'grouped_gemm_weight_grad_kernel', 'grouped_gemm_triton',
-           'pointer_weight_grad_triton', 'grouped_gemm_reference', 'tma_weight_grad_kernel', 'tma_weight_grad_applies',
-           'tma_weight_grad_triton', 'grouped_gemm_weight_grad_triton', 'gather_rows_kernel', 'combine_rows_kernel',
-           'gather_rows_triton', 'combine_rows_triton', 'router_logits_kernel', 'router_rowdot_kernel',
-           'router_grad_w_kernel', 'router_backward_kernel', 'router_logits_triton', 'route_tokens_triton',
-           'router_backward_triton', 'router_weight_grad_triton', 'router_parity_errors', 'library_support',
-           'ExpertBackends', 'expert_backends', 'dropless_row_align', 'grouped_gemm_swiglu_fast',
-           'grouped_gemm_library', 'grouped_gemm_weight_grad_library', 'grouped_gemm_per_expert',
-           'grouped_gemm_weight_grad_per_expert', 'RoutingPlan', 'capacity_plan_kernel', 'capacity_plan_reference',
-           'capacity_plan', 'dropless_plan', 'host_group_bounds', 'routed_swiglu_backward_kernel',
-           'routed_swiglu_backward', 'MoeExperts', 'moe_experts_triton', 'MoeRouted', 'MoeFeedForward',
-           'moe_parameter_count', 'naive_moe_loop', 'check_moe_against_loop', 'compare_triton_to_torch',
-           'check_empty_expert', 'saved_tensor_bytes', 'expert_saved_bytes', 'accumulation_gradients', 'benchmark_arms',
-           'benchmark_suite']
+           'FAST_PATHS', 'FAST_GEMM', 'FAST_SWIGLU', 'PLAN_BLOCK', 'BENCHMARK_ARMS', 'COMPILE_MODES', 'RouterLogits',
+           'route_tokens', 'load_balance_loss', 'load_balance_weight', 'expert_capacity', 'capacity_slots',
+           'expert_swiglu_reference', 'capacity_moe_reference', 'dropless_moe_reference', 'grouped_gemm_kernel',
+           'grouped_gemm_weight_grad_kernel', 'grouped_gemm_triton', 'pointer_weight_grad_triton',
+           'grouped_gemm_reference', 'tma_weight_grad_kernel', 'tma_weight_grad_applies', 'tma_weight_grad_triton',
+           'grouped_gemm_weight_grad_triton', 'gather_rows_kernel', 'combine_rows_kernel', 'gather_rows_triton',
+           'combine_rows_triton', 'router_logits_kernel', 'router_rowdot_kernel', 'router_grad_w_kernel',
+           'router_backward_kernel', 'router_logits_triton', 'route_tokens_triton', 'router_backward_triton',
+           'router_weight_grad_triton', 'router_parity_errors', 'library_support', 'ExpertBackends', 'expert_backends',
+           'dropless_row_align', 'grouped_gemm_swiglu_fast', 'grouped_gemm_library', 'grouped_gemm_weight_grad_library',
+           'grouped_gemm_per_expert', 'grouped_gemm_weight_grad_per_expert', 'RoutingPlan', 'capacity_plan_kernel',
+           'capacity_plan_reference', 'capacity_plan', 'dropless_plan_kernel', 'dropless_plan_reference',
+           'dropless_plan', 'host_group_bounds', 'routed_swiglu_backward_kernel', 'routed_swiglu_backward',
+           'MoeExperts', 'moe_experts_triton', 'MoeRouted', 'MoeFeedForward', 'moe_parameter_count', 'naive_moe_loop',
+           'check_moe_against_loop', 'compare_triton_to_torch', 'check_empty_expert', 'saved_tensor_bytes',
+           'expert_saved_bytes', 'accumulation_gradients', 'benchmark_arms', 'benchmark_suite']
 
 # %% ../nbs/03_moe.ipynb #d120d79d
 import functools, math, os, sys, time
@@ -853,7 +852,7 @@ def capacity_plan_kernel(
     tl.store(bounds_ptr + E + e, (e + 1) * C)
     tl.store(kept_ptr + e, filled)
 
-CAPACITY_PLAN_BLOCK = 4096   # assignments per step of a capacity_plan_kernel program (8 warps)
+PLAN_BLOCK = 4096   # assignments per step of a plan kernel's program (8 warps)
 
 def capacity_plan_reference(top_experts, n_experts, capacity_factor):
     "The routing plan of capacity dispatch from capacity_slots, in a few PyTorch ops: what capacity_plan's kernel must match."
@@ -885,16 +884,51 @@ def capacity_plan(top_experts, n_experts, capacity_factor):
     kept = torch.empty(n_experts, dtype=torch.int32, device=dev)
     capacity_plan_kernel[(n_experts,)](top_experts.contiguous(), row_assignment, row_token, assignment_rows, bounds, kept,
                                        A, capacity, n_experts, TOP_K=top_k,
-                                       BLOCK=min(CAPACITY_PLAN_BLOCK, triton.next_power_of_2(max(A, capacity, 1))), num_warps=8)
+                                       BLOCK=min(PLAN_BLOCK, triton.next_power_of_2(max(A, capacity, 1))), num_warps=8)
     return RoutingPlan(row_token=row_token, row_assignment=row_assignment, assignment_rows=assignment_rows,
                        group_starts=bounds[0], group_ends=bounds[1],
                        dropped_fraction=1 - kept.sum() / max(A, 1), capacity=capacity)
 
-def dropless_plan(top_experts, n_experts, row_align=1):
-    """The routing plan of dropless dispatch: N*k rows sorted by expert, (token, rank) order within an expert. With
-    row_align > 1 each expert's group is its rows padded with empty rows to a multiple of row_align (so it starts on
-    one), as capacity's unused slots are inside a group; the rows after the last group are empty too. N*k + E*(row_align - 1)
-    rows in all, a size known without reading the counts on the host."""
+@triton.jit
+def dropless_plan_kernel(
+    experts_ptr,          # (A,) int expert of each assignment, in (token, rank) order
+    row_assignment_ptr,   # (R,) int64 out: assignment of each row, -1 for an empty row
+    row_token_ptr,        # (R,) int32 out: its token, -1 for an empty row
+    assignment_rows_ptr,  # (A,) int32 out: row of each assignment
+    bounds_ptr,           # (2, E) int32 out: group starts, then group ends (each a multiple of ROW_ALIGN rows)
+    A, R, E, ROW_ALIGN, TOP_K: tl.constexpr, E_BLOCK: tl.constexpr, COUNT_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # program e counts every expert's assignments (to find where its group starts), then walks the assignments in
+    # order as capacity_plan_kernel does, with no capacity; it marks its group's empty rows, the last program the tail
+    e = tl.program_id(0)
+    ids = tl.arange(0, E_BLOCK)
+    counts = tl.zeros((E_BLOCK,), dtype=tl.int32)
+    for a0 in range(0, A, COUNT_BLOCK):
+        a = a0 + tl.arange(0, COUNT_BLOCK)
+        x = tl.load(experts_ptr + a, mask=a < A, other=-1)
+        counts += tl.sum((x[:, None] == ids[None, :]).to(tl.int32), 0)
+    padded = (counts + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
+    start = tl.sum(tl.where(ids < e, padded, 0), 0)
+    end = start + tl.sum(tl.where(ids == e, padded, 0), 0)
+    count = tl.zeros((), dtype=tl.int32)
+    for a0 in range(0, A, BLOCK):
+        a = a0 + tl.arange(0, BLOCK)
+        mine = (tl.load(experts_ptr + a, mask=a < A, other=-1) == e).to(tl.int32)
+        row = start + count + tl.cumsum(mine, 0) - 1
+        tl.store(row_assignment_ptr + row, a.to(tl.int64), mask=mine == 1)
+        tl.store(row_token_ptr + row, (a // TOP_K).to(tl.int32), mask=mine == 1)
+        tl.store(assignment_rows_ptr + a, row, mask=mine == 1)
+        count += tl.sum(mine, 0)
+    last = tl.where(e < E - 1, end, R)                               # the last group's program also marks the tail
+    for r0 in range(start + count, last, BLOCK):
+        r = r0 + tl.arange(0, BLOCK)
+        tl.store(row_assignment_ptr + r, tl.full([BLOCK], -1, tl.int64), mask=r < last)
+        tl.store(row_token_ptr + r, tl.full([BLOCK], -1, tl.int32), mask=r < last)
+    tl.store(bounds_ptr + e, start)
+    tl.store(bounds_ptr + E + e, end)
+
+def dropless_plan_reference(top_experts, n_experts, row_align=1):
+    "The routing plan of dropless dispatch from a stable argsort, in a few PyTorch ops: what dropless_plan's kernel must match."
     N, top_k = top_experts.shape
     flat = top_experts.flatten()
     order = torch.argsort(flat, stable=True)
@@ -912,6 +946,29 @@ def dropless_plan(top_experts, n_experts, row_align=1):
                        row_assignment=row_assignment, assignment_rows=rows_of_assignment.view(N, top_k).to(torch.int32),
                        group_starts=aligned_starts.to(torch.int32), group_ends=(aligned_starts + padded).to(torch.int32),
                        dropped_fraction=torch.zeros((), device=flat.device), row_align=row_align)
+
+def dropless_plan(top_experts, n_experts, row_align=1):
+    """The routing plan of dropless dispatch: N*k rows sorted by expert, (token, rank) order within an expert. With
+    row_align > 1 each expert's group is its rows padded with empty rows to a multiple of row_align (so it starts on
+    one), as capacity's unused slots are inside a group; the rows after the last group are empty too. N*k + E*(row_align - 1)
+    rows in all, a size known without reading the counts on the host. One kernel where kernels run, else dropless_plan_reference."""
+    if not KERNELS_CAN_RUN or (top_experts.device.type == "cpu" and not INTERPRETING):
+        return dropless_plan_reference(top_experts, n_experts, row_align)
+    N, top_k = top_experts.shape
+    dev, A = top_experts.device, N * top_k
+    R = A + n_experts * (row_align - 1)
+    row_assignment = torch.empty(R, dtype=torch.int64, device=dev)
+    row_token = torch.empty(R, dtype=torch.int32, device=dev)
+    assignment_rows = torch.empty(N, top_k, dtype=torch.int32, device=dev)
+    bounds = torch.empty(2, n_experts, dtype=torch.int32, device=dev)
+    e_block = triton.next_power_of_2(n_experts)
+    dropless_plan_kernel[(n_experts,)](top_experts.contiguous(), row_assignment, row_token, assignment_rows, bounds,
+                                       A, R, n_experts, row_align, TOP_K=top_k, E_BLOCK=e_block,
+                                       COUNT_BLOCK=max(16, min(PLAN_BLOCK, 8192 // e_block)),
+                                       BLOCK=min(PLAN_BLOCK, triton.next_power_of_2(max(A, 1))), num_warps=8)
+    return RoutingPlan(row_token=row_token, row_assignment=row_assignment, assignment_rows=assignment_rows,
+                       group_starts=bounds[0], group_ends=bounds[1], dropped_fraction=torch.zeros((), device=dev),
+                       row_align=row_align)
 
 def host_group_bounds(plan):
     "The E+1 row boundaries of the plan's groups as Python ints: from C under capacity, else read from the device (a sync)."

@@ -552,7 +552,7 @@ def test_capacity_plan_kernel_matches_reference(N, top_k, E, capacity_factor, bl
     torch.manual_seed(N)
     experts = torch.stack([torch.randperm(E)[:top_k] for _ in range(N)]).to(DEVICE)
     experts[: N // 3, 0] = 0                                              # crowd expert 0: drops under capacity < 2
-    with knob_values(moe, {"CAPACITY_PLAN_BLOCK": block or moe.CAPACITY_PLAN_BLOCK}):   # small blocks: the count's carry
+    with knob_values(moe, {"PLAN_BLOCK": block or moe.PLAN_BLOCK}):   # small blocks: the count's carry
         got = capacity_plan(experts, E, capacity_factor)
     want = moe.capacity_plan_reference(experts, E, capacity_factor)
     assert got.capacity == want.capacity
@@ -560,6 +560,22 @@ def test_capacity_plan_kernel_matches_reference(N, top_k, E, capacity_factor, bl
         a, b = getattr(got, field), getattr(want, field)
         assert a.dtype == b.dtype and torch.equal(a, b), field
     assert abs(got.dropped_fraction.item() - want.dropped_fraction.item()) < 1e-6
+
+@needs_kernels
+@pytest.mark.parametrize("N,top_k,E,row_align,block", [(23, 2, 5, 1, None), (23, 2, 5, 8, None), (300, 3, 6, 16, 16),
+                                                         (61, 2, 4, 8, 8), (7, 1, 8, 4, None), (41, 2, 6, 8, 16)])
+def test_dropless_plan_kernel_matches_reference(N, top_k, E, row_align, block):
+    "Field for field against the argsort plan: crowded, empty (first and last) experts, packed and aligned groups."
+    experts = _uneven_routing(N, E, top_k, seed=N)                        # expert 0 crowded, the last one empty
+    if top_k == 1: experts[experts == 1] = 2                              # an empty expert between two others
+    with knob_values(moe, {"PLAN_BLOCK": block or moe.PLAN_BLOCK}):       # small blocks: the count's carry
+        got = dropless_plan(experts.to(DEVICE), E, row_align)
+    want = moe.dropless_plan_reference(experts.to(DEVICE), E, row_align)
+    assert got.row_align == want.row_align == row_align and got.capacity == want.capacity == 0
+    for field in ("row_token", "row_assignment", "assignment_rows", "group_starts", "group_ends"):
+        a, b = getattr(got, field), getattr(want, field)
+        assert a.dtype == b.dtype and torch.equal(a, b), field
+    assert got.dropped_fraction.item() == 0
 
 @needs_kernels
 def test_second_backward_through_one_forward_is_refused():

@@ -53,6 +53,16 @@ def test_capacity_plan_kernel_moe4b_shape():
         print(cf, "dropped", got.dropped_fraction.item())
         assert abs(got.dropped_fraction.item() - want.dropped_fraction.item()) < 1e-6 and got.dropped_fraction > 0
 
+def test_dropless_plan_kernel_moe4b_shape():
+    torch.manual_seed(3)
+    experts = torch.stack([torch.randperm(8, device="cuda")[:2] for _ in range(64)]).repeat(256, 1)   # 16,384 tokens
+    experts[:3000, 0] = 5                                                 # one crowded expert
+    experts[experts == 2] = 6                                             # and an empty one
+    for row_align in (1, 128):
+        got, want = moe.dropless_plan(experts, 8, row_align), moe.dropless_plan_reference(experts, 8, row_align)
+        for field in ("row_token", "row_assignment", "assignment_rows", "group_starts", "group_ends"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), (row_align, field)
+
 def test_library_support_on_hopper():
     support = library_support("cuda")
     print(torch.__version__, torch.cuda.get_device_capability(), support)
