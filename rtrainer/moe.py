@@ -8,22 +8,23 @@ Docs: https://example.invalid/rtrainer/rtrainer/moe.html.md"""
 __all__ = ['GROUPED_GEMM_BLOCK_M', 'ROW_BLOCK', 'TMA_WGRAD_CONFIG', 'INTERPRET_TMA_WGRAD_CONFIG', 'TMA_ALIGNMENT',
            'TMA_WGRAD_LAUNCH', 'COMBINE_ROUTER_TILE', 'ROUTER_BLOCK_ROWS', 'ROUTER_BLOCK_COLS', 'ROUTER_CHUNK_ROWS',
            'ROUTER_ROWDOT', 'ROUTER_ROWDOT_MAX_E', 'EXPERT_GEMM', 'EXPERT_WEIGHT_GRAD', 'EXPERT_BACKENDS', 'MOE_KNOBS',
-           'FAST_PATHS', 'FAST_GEMM', 'FAST_SWIGLU', 'PLAN_BLOCK', 'BENCHMARK_ARMS', 'COMPILE_MODES', 'RouterLogits',
-           'route_tokens', 'load_balance_loss', 'load_balance_weight', 'expert_capacity', 'capacity_slots',
-           'expert_swiglu_reference', 'capacity_moe_reference', 'dropless_moe_reference', 'grouped_gemm_kernel',
-           'grouped_gemm_weight_grad_kernel', 'grouped_gemm_triton', 'pointer_weight_grad_triton',
-           'grouped_gemm_reference', 'tma_weight_grad_kernel', 'tma_weight_grad_applies', 'tma_weight_grad_triton',
-           'grouped_gemm_weight_grad_triton', 'gather_rows_kernel', 'combine_rows_kernel', 'gather_rows_triton',
-           'combine_rows_triton', 'router_logits_kernel', 'router_rowdot_kernel', 'router_grad_w_kernel',
-           'router_backward_kernel', 'router_logits_triton', 'route_tokens_triton', 'router_backward_triton',
-           'router_weight_grad_triton', 'router_parity_errors', 'library_support', 'ExpertBackends', 'expert_backends',
-           'dropless_row_align', 'grouped_gemm_swiglu_fast', 'grouped_gemm_library', 'grouped_gemm_weight_grad_library',
-           'grouped_gemm_per_expert', 'grouped_gemm_weight_grad_per_expert', 'RoutingPlan', 'capacity_plan_kernel',
-           'capacity_plan_reference', 'capacity_plan', 'dropless_plan_kernel', 'dropless_plan_reference',
-           'dropless_plan', 'host_group_bounds', 'routed_swiglu_backward_kernel', 'routed_swiglu_backward',
-           'MoeExperts', 'moe_experts_triton', 'MoeRouted', 'MoeFeedForward', 'moe_parameter_count', 'naive_moe_loop',
-           'check_moe_against_loop', 'compare_triton_to_torch', 'check_empty_expert', 'saved_tensor_bytes',
-           'expert_saved_bytes', 'accumulation_gradients', 'benchmark_arms', 'benchmark_suite']
+           'FAST_PATHS', 'FAST_GEMM', 'FAST_SWIGLU', 'PLAN_BLOCK', 'PLAN_COUNT_ELEMENTS', 'BENCHMARK_ARMS',
+           'COMPILE_MODES', 'RouterLogits', 'route_tokens', 'load_balance_loss', 'load_balance_weight',
+           'expert_capacity', 'capacity_slots', 'expert_swiglu_reference', 'capacity_moe_reference',
+           'dropless_moe_reference', 'grouped_gemm_kernel', 'grouped_gemm_weight_grad_kernel', 'grouped_gemm_triton',
+           'pointer_weight_grad_triton', 'grouped_gemm_reference', 'tma_weight_grad_kernel', 'tma_weight_grad_applies',
+           'tma_weight_grad_triton', 'grouped_gemm_weight_grad_triton', 'gather_rows_kernel', 'combine_rows_kernel',
+           'gather_rows_triton', 'combine_rows_triton', 'router_logits_kernel', 'router_rowdot_kernel',
+           'router_grad_w_kernel', 'router_backward_kernel', 'router_logits_triton', 'route_tokens_triton',
+           'router_backward_triton', 'router_weight_grad_triton', 'router_parity_errors', 'library_support',
+           'ExpertBackends', 'expert_backends', 'dropless_row_align', 'grouped_gemm_swiglu_fast',
+           'grouped_gemm_library', 'grouped_gemm_weight_grad_library', 'grouped_gemm_per_expert',
+           'grouped_gemm_weight_grad_per_expert', 'RoutingPlan', 'capacity_plan_kernel', 'capacity_plan_reference',
+           'capacity_plan', 'dropless_plan_kernel', 'dropless_plan_reference', 'dropless_plan', 'host_group_bounds',
+           'routed_swiglu_backward_kernel', 'routed_swiglu_backward', 'MoeExperts', 'moe_experts_triton', 'MoeRouted',
+           'MoeFeedForward', 'moe_parameter_count', 'naive_moe_loop', 'check_moe_against_loop',
+           'compare_triton_to_torch', 'check_empty_expert', 'saved_tensor_bytes', 'expert_saved_bytes',
+           'accumulation_gradients', 'benchmark_arms', 'benchmark_suite']
 
 # %% ../nbs/03_moe.ipynb #d120d79d
 import functools, math, os, sys, time
@@ -853,6 +854,7 @@ def capacity_plan_kernel(
     tl.store(kept_ptr + e, filled)
 
 PLAN_BLOCK = 4096   # assignments per step of a plan kernel's program (8 warps)
+PLAN_COUNT_ELEMENTS = 16384   # dropless_plan_kernel's count step: assignments x experts compared at a time
 
 def capacity_plan_reference(top_experts, n_experts, capacity_factor):
     "The routing plan of capacity dispatch from capacity_slots, in a few PyTorch ops: what capacity_plan's kernel must match."
@@ -964,7 +966,7 @@ def dropless_plan(top_experts, n_experts, row_align=1):
     e_block = triton.next_power_of_2(n_experts)
     dropless_plan_kernel[(n_experts,)](top_experts.contiguous(), row_assignment, row_token, assignment_rows, bounds,
                                        A, R, n_experts, row_align, TOP_K=top_k, E_BLOCK=e_block,
-                                       COUNT_BLOCK=max(16, min(PLAN_BLOCK, 8192 // e_block)),
+                                       COUNT_BLOCK=max(16, min(PLAN_BLOCK, PLAN_COUNT_ELEMENTS // e_block)),
                                        BLOCK=min(PLAN_BLOCK, triton.next_power_of_2(max(A, 1))), num_warps=8)
     return RoutingPlan(row_token=row_token, row_assignment=row_assignment, assignment_rows=assignment_rows,
                        group_starts=bounds[0], group_ends=bounds[1], dropped_fraction=torch.zeros((), device=dev),

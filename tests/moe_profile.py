@@ -4,7 +4,7 @@ backward at the moe4b shape (16,384 tokens, D 3072, FF 4096, 8 experts, top-2, b
 `auto` runs) and per expert, and prints each arm's unprofiled step time and its GPU kernels grouped as GEMMs and the rest, per step (5 profiled steps after warm-up). Then it times the router's kernels at that shape over their block sizes,
 against PyTorch's fp32 products. Writes $OUT/moe_profile.json.
 `python tests/moe_profile.py` on a GPU; PROFILE_ARMS="arm;arm" picks arms (of moe.BENCHMARK_ARMS or EXTRA_ARMS below),
-ROUTER=0 skips the router sweep."""
+ROUTER=0 skips the router sweep, PLAN=0 the routing plans' timing."""
 import json, os, sys
 from collections import defaultdict
 import torch
@@ -66,6 +66,22 @@ def router_sweep(x):
         print(f"{row['arm']:40s} " + " ".join(f"{row[k]:8.4f}" if k in row else f"{'':8s}" for k in ("fwd_ms", "bwd_ms", "drouter_ms", "dx_ms")))
     return rows_out
 
+def plan_sweep(x, n_experts=8, top_k=2):
+    "The routing plans at x's shape: the capacity kernel, the dropless argsort reference and the dropless kernel per count step."
+    torch.manual_seed(1)
+    experts = torch.rand(x.shape[0], n_experts, device="cuda").topk(top_k, dim=-1).indices
+    arms = {"capacity_plan (kernel)": ({}, lambda: moe.capacity_plan(experts, n_experts, 1.0)),
+            "dropless_plan_reference, row_align 128": ({}, lambda: moe.dropless_plan_reference(experts, n_experts, 128))}
+    for elements in (8192, 16384, 32768):
+        arms[f"dropless_plan, row_align 128, count step {elements}"] = (
+            {"PLAN_COUNT_ELEMENTS": elements}, lambda: moe.dropless_plan(experts, n_experts, 128))
+    rows = []
+    for name, (knobs, fn) in arms.items():
+        with knob_values(moe, knobs): rows.append(dict(arm=name, ms=median_ms(fn)))
+    print(f"\n{'plan':50s} {'ms':>8s}")
+    for row in rows: print(f"{row['arm']:50s} {row['ms']:8.4f}")
+    return rows
+
 def main():
     if not torch.cuda.is_available(): sys.exit("moe_profile: needs a CUDA GPU")
     N, D, FF, E, k = 16_384, 3072, 4096, 8, 2
@@ -90,6 +106,7 @@ def main():
         for name, v in sorted(kernels.items(), key=lambda kv: -kv[1]["ms"])[:28]:
             print(f"  {v['ms']:7.3f} ms  x{v['calls']:<3d} {'GEMM ' if is_gemm(name) else '     '}{name[:110]}")
     if os.environ.get("ROUTER", "1") != "0": out["router_sweep"] = router_sweep(x.detach())
+    if os.environ.get("PLAN", "1") != "0": out["plan_sweep"] = plan_sweep(x.detach())
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "moe_profile.json"), "w") as f: json.dump(out, f, indent=1)
 
