@@ -871,18 +871,24 @@ def capacity_plan_reference(top_experts, n_experts, capacity_factor):
                        group_starts=starts.to(torch.int32), group_ends=(starts + capacity).to(torch.int32),
                        dropped_fraction=1 - kept.float().mean(), capacity=capacity)
 
+def _plan_kernel_runs(top_experts):
+    "Whether the plan kernels run on top_experts' device (a GPU, or the interpreter); else the PyTorch references."
+    return KERNELS_CAN_RUN and (top_experts.device.type != "cpu" or INTERPRETING)
+
+def _plan_buffers(top_experts, n_experts, n_rows):
+    "What a plan kernel writes: row_assignment (R,) int64, row_token (R,) int32, assignment_rows (N, k) int32, bounds (2, E) int32."
+    dev = top_experts.device
+    return (torch.empty(n_rows, dtype=torch.int64, device=dev), torch.empty(n_rows, dtype=torch.int32, device=dev),
+            torch.empty(top_experts.shape, dtype=torch.int32, device=dev), torch.empty(2, n_experts, dtype=torch.int32, device=dev))
+
 def capacity_plan(top_experts, n_experts, capacity_factor):
     """The routing plan of capacity dispatch: E*C rows, expert e's block of C slots (unused slots are zero rows),
     (token, rank) order first; one kernel where kernels run, else capacity_plan_reference."""
-    if not KERNELS_CAN_RUN or (top_experts.device.type == "cpu" and not INTERPRETING):
-        return capacity_plan_reference(top_experts, n_experts, capacity_factor)
+    if not _plan_kernel_runs(top_experts): return capacity_plan_reference(top_experts, n_experts, capacity_factor)
     N, top_k = top_experts.shape
     capacity = expert_capacity(N, top_k, n_experts, capacity_factor)
     dev, A = top_experts.device, N * top_k
-    row_assignment = torch.empty(n_experts * capacity, dtype=torch.int64, device=dev)
-    row_token = torch.empty(n_experts * capacity, dtype=torch.int32, device=dev)
-    assignment_rows = torch.empty(N, top_k, dtype=torch.int32, device=dev)
-    bounds = torch.empty(2, n_experts, dtype=torch.int32, device=dev)
+    row_assignment, row_token, assignment_rows, bounds = _plan_buffers(top_experts, n_experts, n_experts * capacity)
     kept = torch.empty(n_experts, dtype=torch.int32, device=dev)
     capacity_plan_kernel[(n_experts,)](top_experts.contiguous(), row_assignment, row_token, assignment_rows, bounds, kept,
                                        A, capacity, n_experts, TOP_K=top_k,
@@ -954,23 +960,19 @@ def dropless_plan(top_experts, n_experts, row_align=1):
     row_align > 1 each expert's group is its rows padded with empty rows to a multiple of row_align (so it starts on
     one), as capacity's unused slots are inside a group; the rows after the last group are empty too. N*k + E*(row_align - 1)
     rows in all, a size known without reading the counts on the host. One kernel where kernels run, else dropless_plan_reference."""
-    if not KERNELS_CAN_RUN or (top_experts.device.type == "cpu" and not INTERPRETING):
-        return dropless_plan_reference(top_experts, n_experts, row_align)
+    if not _plan_kernel_runs(top_experts): return dropless_plan_reference(top_experts, n_experts, row_align)
     N, top_k = top_experts.shape
-    dev, A = top_experts.device, N * top_k
+    A = N * top_k
     R = A + n_experts * (row_align - 1)
-    row_assignment = torch.empty(R, dtype=torch.int64, device=dev)
-    row_token = torch.empty(R, dtype=torch.int32, device=dev)
-    assignment_rows = torch.empty(N, top_k, dtype=torch.int32, device=dev)
-    bounds = torch.empty(2, n_experts, dtype=torch.int32, device=dev)
+    row_assignment, row_token, assignment_rows, bounds = _plan_buffers(top_experts, n_experts, R)
     e_block = triton.next_power_of_2(n_experts)
     dropless_plan_kernel[(n_experts,)](top_experts.contiguous(), row_assignment, row_token, assignment_rows, bounds,
                                        A, R, n_experts, row_align, TOP_K=top_k, E_BLOCK=e_block,
                                        COUNT_BLOCK=max(16, min(PLAN_BLOCK, PLAN_COUNT_ELEMENTS // e_block)),
                                        BLOCK=min(PLAN_BLOCK, triton.next_power_of_2(max(A, 1))), num_warps=8)
     return RoutingPlan(row_token=row_token, row_assignment=row_assignment, assignment_rows=assignment_rows,
-                       group_starts=bounds[0], group_ends=bounds[1], dropped_fraction=torch.zeros((), device=dev),
-                       row_align=row_align)
+                       group_starts=bounds[0], group_ends=bounds[1],
+                       dropped_fraction=torch.zeros((), device=top_experts.device), row_align=row_align)
 
 def host_group_bounds(plan):
     "The E+1 row boundaries of the plan's groups as Python ints: from C under capacity, else read from the device (a sync)."
