@@ -175,6 +175,7 @@ class DistributedTrainer(Trainer):
         if dp not in DATA_PARALLEL: raise ValueError(f"--dp must be one of {DATA_PARALLEL}, got {dp!r}")
         self.dp, self.sync_gradients, self._sample_text, self.replicated = dp, True, None, []
         self.in_flight = {}   # DDP: id(parameter) -> (its all-reduce started in the backward, whether it had a gradient)
+        config = config.validate()   # before the copies below: it fills in the default learning rate
         self.rank, self.world_size, device = init_distributed(config.device)
         self.group = dist.group.WORLD
         start = dataclasses.replace(config, device=str(device), resume="", init_from="")

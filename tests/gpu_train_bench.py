@@ -30,6 +30,7 @@ def run_arm(config, batch, impl, steps, seq_len, extra, data="synthetic"):
     logged = [json.loads(line) for line in metrics.read_text().splitlines() if '"loss"' in line]
     row["losses"] = [round(x["loss"], 5) for x in logged]
     row["grad_norms"] = [round(x["grad_norm"], 5) for x in logged if x.get("grad_norm") is not None]
+    if any("dropped_fraction" in x for x in logged): row["dropped_fractions"] = [round(x["dropped_fraction"], 5) for x in logged]   # MoE models
     mfus = [x["mfu"] for x in timed if x.get("mfu")]
     row.update(status="ok", tokens_per_s=tps, mfu=sum(mfus) / len(mfus) if mfus else None,
                peak_memory_gib=max((x.get("peak_memory_gib") or 0) for x in timed) or None, final_loss=timed[-1]["loss"])

@@ -2,7 +2,8 @@
 against torch.compile: how a config measured on the four products alone (tests/moe_gluon_gemm.py) does where it counts.
 CONFIGS are (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M), set as rtrainer.moe_hopper.GEMM_CONFIG for an arm's steps.
 VARIANTS=backends times the default config under other weight-gradient backends instead (EXPERT_WEIGHT_GRAD: the TMA
-kernel on capacity groups, cuBLAS per expert on dropless ones), to tell the kernel from the group layout.
+kernel on capacity groups, cuBLAS per expert on dropless ones), to tell the kernel from the group layout. VARIANTS=blas
+runs the library GEMMs through cuBLASLt (torch.backends.cuda.preferred_blas_library) against cuBLAS.
 Arms alternate over ROUNDS rounds in one process, each the median of many steps (rtrainer.kernels.median_ms), with a
 95% interval on the ratio to the first config's capacity arm. Run on the GPU: `python tests/moe_layer_variants.py`
 (writes $OUT/moe_layer_variants.json, or moe_layer_backends.json, when OUT is set)."""
@@ -27,6 +28,10 @@ if os.environ.get("VARIANTS", "configs") == "backends":
                  "dropless, cuBLAS weight gradient per expert": ("dropless", CONFIGS[0], {"EXPERT_WEIGHT_GRAD": "per_expert"}),
                  "dropless, TMA weight gradient 4 stages": ("dropless", CONFIGS[0], {"TMA_WGRAD_LAUNCH": {**moe.TMA_WGRAD_CONFIG, "num_stages": 4}})})
     BASE = "capacity"
+elif os.environ.get("VARIANTS") == "blas":   # the library GEMMs (the capacity weight gradients' bmm) through cuBLASLt
+    ARMS.update({"capacity": ("capacity", CONFIGS[0], {}), "capacity, cuBLASLt": ("capacity", CONFIGS[0], {}),
+                 "dropless": ("dropless", CONFIGS[0], {}), "dropless, cuBLASLt": ("dropless", CONFIGS[0], {})})
+    BASE = "capacity"
 else:
     ARMS.update({f"{dispatch} {config}": (dispatch, config, {}) for dispatch in ("capacity", "dropless") for config in CONFIGS})
     BASE = f"capacity {CONFIGS[0]}"
@@ -50,7 +55,9 @@ def main():
         dispatch, config, knobs = ARMS[name]
         layer, params = layers[name], list(layers[name].parameters())
         module = torch.compile(layer) if config is None else layer
+        blas = "cublaslt" if name.endswith("cuBLASLt") else "cublas"
         def step():
+            torch.backends.cuda.preferred_blas_library(blas)
             with knob_values(moe, {**LIBRARY, **knobs}), knob_values(moe_hopper, {"GEMM_CONFIG": config or moe_hopper.GEMM_CONFIG}):
                 _moe_layer_step(module, x, grad_y, params)
         return step
@@ -86,7 +93,7 @@ def main():
         print(f"{row['arm']:60s} {row['ms']:7.3f} {row['ms_min']:7.3f} {row['ms_max']:7.3f} {fmt(row['speed_vs_base'], *row['base_ci95']):>22s} "
               f"{fmt(row['speed_vs_compile'], *row['compile_ci95']):>22s} {row['peak_step_gib']:5.2f}")
     if os.environ.get("OUT"):
-        name = "moe_layer_backends.json" if os.environ.get("VARIANTS") == "backends" else "moe_layer_variants.json"
+        name = {"backends": "moe_layer_backends.json", "blas": "moe_layer_blas.json"}.get(os.environ.get("VARIANTS"), "moe_layer_variants.json")
         with open(os.path.join(os.environ["OUT"], name), "w") as f: json.dump(payload, f, indent=1)
 
 if __name__ == "__main__":

@@ -157,6 +157,17 @@ def test_cli_errors(tmp_path, capsys):
     assert "no such checkpoint" in capsys.readouterr().err
 
 
+def test_default_learning_rate_follows_the_model(tmp_path, capsys):
+    "--lr left at 0 takes the tiny presets' 3e-3 or the reference configurations' 3e-4; a given rate is kept; a negative one is refused."
+    assert TrainConfig().validate().lr == 3e-3 and TrainConfig(model="tiny_moe").validate().lr == 3e-3
+    for name in ("rb100m", "prof183m", "dense1b", "moe4b", "configs/mine.json"):
+        assert TrainConfig(model=name).validate().lr == 3e-4
+    assert TrainConfig(model="moe4b", lr=1e-3).validate().lr == 1e-3
+    with pytest.raises(ValueError, match="--lr must be positive"): TrainConfig(lr=-1e-3).validate()
+    assert cli("train", "--data", "synthetic", "--lr", "-1", "--no-progress", "--out-dir", tmp_path / "o") == 2
+    assert "--lr must be positive" in capsys.readouterr().err
+
+
 def test_cli_train_eval_generate(tmp_path, corpus, capsys):
     out = tmp_path / "cli"
     assert cli("train", "--data", corpus, "--steps", 3, "--batch-size", 2, "--seq-len", 16, "--eval-every", 3,
