@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Repeats the distributed chapter's CPU DDP run (2 gloo ranks, tiny, 12 steps) to catch a rare abort of one rank.
 # Usage: bash tests/dist_teardown_stress.sh RUNS [PARALLEL]   (from the repository root; .venv installed)
+# DP=fsdp runs the FSDP engine instead of DDP; CHECKPOINTS=1 lets each run write its checkpoint (the chapter's two-rank run
+# that aborted once in CI at 249d4ca did both).
 # Each run goes in its own temporary folder (torchrun's own temporary files too) with core dumps on; a failed run's log (and core, if one was written)
 # is kept under ${KEEP:-/tmp/rtrainer-stress}/. Last line: "N runs, F failed".
 #
@@ -12,7 +14,7 @@
 # the DDP-wrapped model held it. Fixed in run_distributed_train (release the trainer, collect, then destroy the group):
 # after the fix, 0 failures in 260 runs, and 0 in 80 with the barrier put back (against 4 in 60 with the barrier alone).
 set -u
-runs=${1:?number of runs}; parallel=${2:-2}
+runs=${1:?number of runs}; parallel=${2:-2}; dp=${DP:-ddp}; ckpt=$([ "${CHECKPOINTS:-0}" = 1 ] || echo --no-checkpoints)
 root=$(cd "$(dirname "$0")/.." && pwd); keep=${KEEP:-/tmp/rtrainer-stress}; mkdir -p "$keep"
 loop() {
   local fails=0
@@ -20,8 +22,8 @@ loop() {
     local d; d=$(mktemp -d); cd "$d" || exit 1
     (ulimit -c unlimited; TMPDIR="$d" PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 "$root/.venv/bin/python" -m torch.distributed.run --standalone \
       --nproc-per-node 2 -m rtrainer.distributed train tiny --data synthetic --batch-size 2 --seq-len 32 --steps 12 \
-      --log-every 1 --eval-every 0 --no-progress --no-checkpoints --device cpu --vocab-size 512 --lr 1e-2 --warmup 2 \
-      --dp ddp --out-dir "$d/ddp" > "$d/log" 2>&1)
+      --log-every 1 --eval-every 0 --no-progress $ckpt --device cpu --vocab-size 512 --lr 1e-2 --warmup 2 \
+      --dp "$dp" --out-dir "$d/run" > "$d/log" 2>&1) && [ -s "$d/run/metrics.jsonl" ]
     if [ $? -ne 0 ]; then fails=$((fails+1)); mkdir -p "$keep/$2-$i"; cp "$d"/log "$d"/core* "$keep/$2-$i/" 2>/dev/null; fi
     cd / && rm -rf "$d"
   done
