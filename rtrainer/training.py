@@ -56,7 +56,7 @@ class TrainConfig:
     batch_size: int = setting(8, "sequences per micro-batch")
     seq_len: int = setting(64, "tokens per sequence")
     accumulation: int = setting(1, "micro-batches per optimizer step")
-    lr: float = setting(0.0, "peak learning rate; 0, the default, takes the model's (DEFAULT_LR: 3e-3 for the tiny presets, else 3e-4)")
+    lr: float = setting(0.0, "peak learning rate; 0 (the default) takes the model's: 3e-3 for the tiny presets, else 3e-4")
     warmup: int = setting(30, "steps of linear learning-rate warm-up")
     floor: float = setting(0.1, "the cosine ends at floor * lr")
     decay_steps: int = setting(0, "where the cosine ends; 0 = steps")
@@ -463,18 +463,22 @@ class Trainer:
         "Train from self.step to cfg.steps; returns the history (list of metric rows)."
         c = self.cfg
         tokens_per_step = c.batch_size * c.accumulation * c.seq_len * self.world_size
+        show_dropped = bool(self.model_config.n_experts) and self.model_config.moe_dispatch == "capacity"
+        def dropped(r=None):   # the table's column under capacity dispatch: the share of the step's assignments dropped
+            if not show_dropped: return ""
+            return f" {100 * float(r['dropped_fraction']):7.1f}%" if r and "dropped_fraction" in r else f" {'-':>8}"
         if self.is_main:
             pc = parameter_counts(self.model_config)
             self.log(f"model {c.model}: {pc['total']/1e6:.2f}M parameters ({pc['active']/1e6:.2f}M active), impl {self.model.impl}, "
                      f"precision {self.model.precision}, device {self.device}; {tokens_per_step:,} tokens per step, peak lr {c.lr:g}")
             if self.captured and self.captured.capture:
                 self.log(f"CUDA graph: {GRAPH_WARMUP_STEPS} eager steps, then the step is captured once and replayed (--no-cuda-graph: eager steps)")
-            self.log(f"{'step':>6} {'lr':>9} {'train':>8} {'held-out':>9}")
+            self.log(f"{'step':>6} {'lr':>9} {'train':>8} {'held-out':>9}" + (f" {'dropped':>8}" if show_dropped else ""))
         bar = tqdm(total=c.steps, initial=self.step, disable=not (c.progress and self.is_main), dynamic_ncols=True, leave=False)
         if self.device.type == "cuda": torch.cuda.reset_peak_memory_stats(self.device)
         window_start, window_tokens = time.perf_counter(), 0
         if c.eval_every and self.step == 0 and (ev := self.evaluate()) and self.is_main:   # where the run starts from
-            self.write_metrics(dict(step=0, **ev)); bar.write(f"{0:>6} {self.lr_at(0):>9.2e} {'-':>8} {ev['val_loss']:9.4f}")
+            self.write_metrics(dict(step=0, **ev)); bar.write(f"{0:>6} {self.lr_at(0):>9.2e} {'-':>8} {ev['val_loss']:9.4f}" + dropped())
         while self.step < c.steps:
             row = self.train_step(self.step)
             self.step += 1; window_tokens += tokens_per_step
@@ -496,7 +500,7 @@ class Trainer:
                     if ev: self.write_metrics(dict(step=self.step, **ev, sample=self.sample()))
                     self.plot()
                     held = f"{ev['val_loss']:9.4f}" if ev else f"{'-':>9}"
-                    bar.write(f"{self.step:>6} {row['lr']:>9.2e} {self.last_loss:>8.4f} {held}")
+                    bar.write(f"{self.step:>6} {row['lr']:>9.2e} {self.last_loss:>8.4f} {held}" + dropped(row))
             if c.checkpoints and c.checkpoint_every and self.step % c.checkpoint_every == 0 and self.step < c.steps:
                 self.check_step(); self.save()         # never a checkpoint after a step whose loss and norm are unread
         bar.close(); self.check_step()

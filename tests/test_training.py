@@ -168,6 +168,18 @@ def test_default_learning_rate_follows_the_model(tmp_path, capsys):
     assert "--lr must be positive" in capsys.readouterr().err
 
 
+def test_moe_table_shows_capacity_drops(tmp_path, capsys):
+    "Under capacity dispatch the logged table gains a column of the step's dropped assignments (in percent); dropless has none."
+    for dispatch in ("capacity", "dropless"):
+        lines = []
+        Trainer(cfg(tmp_path / dispatch, steps=2, eval_every=2), model_config("tiny_moe", impl="torch", moe_dispatch=dispatch), log=lines.append).run()
+        table = [line for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["2"]]
+        header = next(line for line in lines if line.split()[:1] == ["step"])
+        assert (header.split()[-1] == "dropped") == (dispatch == "capacity"), header
+        assert len(table) == 1 and table[0].endswith("%") == (dispatch == "capacity"), table
+        if dispatch == "capacity": assert 0 <= float(table[0].split()[-1].rstrip("%")) <= 100
+
+
 def test_cli_train_eval_generate(tmp_path, corpus, capsys):
     out = tmp_path / "cli"
     assert cli("train", "--data", corpus, "--steps", 3, "--batch-size", 2, "--seq-len", 16, "--eval-every", 3,
