@@ -453,6 +453,8 @@ class Trainer:
         import matplotlib.pyplot as plt
         train = [(r["step"], r["loss"]) for r in self.history if "loss" in r]
         val = [(r["step"], r["val_loss"]) for r in self.history if "val_loss" in r]
+        if not train and not val: return      # an evaluation before the first logged row, on data with no held-out part
+        self.out_dir.mkdir(parents=True, exist_ok=True)
         fig, ax = plt.subplots(figsize=(5, 3), dpi=90)
         if train: ax.plot(*zip(*train), lw=0.8, label="training (raw)")
         if val: ax.plot(*zip(*val), "o-", label="held-out")

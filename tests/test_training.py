@@ -168,6 +168,13 @@ def test_default_learning_rate_follows_the_model(tmp_path, capsys):
     assert "--lr must be positive" in capsys.readouterr().err
 
 
+def test_evaluation_before_the_first_logged_row(tmp_path):
+    "An evaluation step before any metrics row (synthetic data: no held-out part) neither crashes nor plots an empty curve."
+    t = Trainer(cfg(tmp_path, steps=4, eval_every=2, log_every=10, checkpoints=False), model_config("tiny", impl="torch"), log=quiet)
+    t.run()
+    assert (tmp_path / "run" / "loss_curve.png").exists() and len([r for r in t.history if "loss" in r]) == 1
+
+
 def test_moe_table_shows_capacity_drops(tmp_path, capsys):
     "Under capacity dispatch the logged table gains a column of the step's dropped assignments (in percent); dropless has none."
     for dispatch in ("capacity", "dropless"):
