@@ -508,9 +508,9 @@ def run_distributed_train(args):
     except NonFiniteLoss as e:
         report.append(f"rtrainer train: error: {e}")
     finally:
-        # The wrapped model and the sharded parameters hold the process group. Release them and let the group's worker
-        # threads finish now: a gloo worker still dropping its last tensors while Python shuts down aborts the process
-        # ("terminate called without an active exception"; the core dumps of tests/dist_teardown_stress.sh show it).
+        # The wrapped model and the sharded parameters hold the process group: release them so that destroying it
+        # really tears it down (pending collectives finish, gloo's worker threads stop) before the worker ends. That
+        # alone made the shutdown abort of the next function rare (tests/dist_teardown_stress.sh); end_worker skips it.
         trainer = None
         gc.collect()
         if dist.is_initialized(): dist.destroy_process_group()

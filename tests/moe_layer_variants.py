@@ -21,6 +21,7 @@ N, D, FF, E, K = 16_384, 3072, 4096, 8, 2
 LIBRARY = {"EXPERT_GEMM": "library", "EXPERT_WEIGHT_GRAD": "auto"}
 CONFIGS = [(128, 256, 64, 3, 8), (128, 256, 64, 3, 16), (128, 256, 64, 3, 32)]
 ARMS = {"torch.compile capacity (default mode)": ("capacity", None, {})}   # name: (dispatch, GEMM config, knobs); None: compile
+BLAS = {}   # arm: the BLAS library PyTorch prefers during its steps (VARIANTS=blas only)
 if os.environ.get("VARIANTS", "configs") == "backends":
     ARMS.update({"capacity": ("capacity", CONFIGS[0], {}),
                  "capacity, TMA weight gradient": ("capacity", CONFIGS[0], {"EXPERT_WEIGHT_GRAD": "triton"}),
@@ -32,6 +33,7 @@ elif os.environ.get("VARIANTS") == "blas":   # the library GEMMs (the capacity w
     ARMS.update({"capacity": ("capacity", CONFIGS[0], {}), "capacity, cuBLASLt": ("capacity", CONFIGS[0], {}),
                  "dropless": ("dropless", CONFIGS[0], {}), "dropless, cuBLASLt": ("dropless", CONFIGS[0], {})})
     BASE = "capacity"
+    BLAS = {name: "cublaslt" if name.endswith("cuBLASLt") else "cublas" for name in ARMS}   # set before each arm's step
 else:
     ARMS.update({f"{dispatch} {config}": (dispatch, config, {}) for dispatch in ("capacity", "dropless") for config in CONFIGS})
     BASE = f"capacity {CONFIGS[0]}"
@@ -55,9 +57,9 @@ def main():
         dispatch, config, knobs = ARMS[name]
         layer, params = layers[name], list(layers[name].parameters())
         module = torch.compile(layer) if config is None else layer
-        blas = "cublaslt" if name.endswith("cuBLASLt") else "cublas"
+        blas = BLAS.get(name)
         def step():
-            torch.backends.cuda.preferred_blas_library(blas)
+            if blas: torch.backends.cuda.preferred_blas_library(blas)
             with knob_values(moe, {**LIBRARY, **knobs}), knob_values(moe_hopper, {"GEMM_CONFIG": config or moe_hopper.GEMM_CONFIG}):
                 _moe_layer_step(module, x, grad_y, params)
         return step
