@@ -636,10 +636,11 @@ def run_arm_process(spec, timeout=None):
 
 # %% ../nbs/07_profiling.ipynb #b4671091
 def versus(config="tiny", tiers=("eager", "default"), rounds=3, steps=10, warmup=3, batch_size=None, seq_len=None,
-           peak_tflops=None, save=True, timeout=None, log=print, isolate=True, cuda_graph=False, **overrides):
+           peak_tflops=None, save=True, timeout=None, log=print, isolate=True, cuda_graph=False, save_as=None, **overrides):
     """rtrainer against the plain PyTorch baseline tiers, alternated; returns (summary rows, raw results). isolate=False: arms
     in this process (CPU demos only). cuda_graph: an "rtrainer-graph" arm (the trainer with --cuda-graph) leads, and the
-    ratios are its own against every other arm, the eager trainer's included."""
+    ratios are its own against every other arm, the eager trainer's included. save_as: the results' name (default
+    versus_CONFIG), so that a run of other tiers does not replace the record of these."""
     bad = [t for t in tiers if t not in TIERS]
     if bad: raise ValueError(f"versus: unknown tiers {bad}; choose from {list(TIERS)}")
     seq_len = seq_len or (1024 if config in REFERENCE_BATCH else 64)
@@ -669,7 +670,7 @@ def versus(config="tiny", tiers=("eager", "default"), rounds=3, steps=10, warmup
     print_summary(rows, f"versus {config} B={batch_size} T={seq_len}: {rounds} rounds of {steps} steps after {warmup} warm-up steps"
                         f" (MFU against {peak or 'no'} TFLOP/s){', ' + interrupted if interrupted else ''}")
     if save:   # an interrupted run is kept beside the complete record, never over it
-        name = f"versus_{config}_interrupted" if interrupted else f"versus_{config}"
+        name = (save_as or f"versus_{config}") + ("_interrupted" if interrupted else "")
         log(f"saved {save_results(name, rows, raw=results, **({'interrupted': interrupted} if interrupted else {}))}")
     if interrupted: raise KeyboardInterrupt(interrupted)
     return rows, results
@@ -793,12 +794,14 @@ def add_versus_arguments(p):
     p.add_argument("--peak-tflops", type=float, default=None, help="MFU denominator (default: the datasheet entry)")
     p.add_argument("--timeout", type=int, default=None, help="seconds per arm")
     p.add_argument("--no-save", action="store_true", help="do not write data/results/versus_CONFIG.json")
+    p.add_argument("--save-as", default=None, help="results name instead of versus_CONFIG (a run of other tiers keeps the record)")
     p.add_argument("--cuda-graph", action="store_true", help="also run the trainer with its step as one CUDA graph (`rtrainer train`'s default on a GPU), as the arm the others are compared to; the `rtrainer` arm takes eager steps")
 
 def run_versus(args):
     "`rtrainer versus`"
     versus(args.config, tuple(t.strip() for t in args.tiers.split(",") if t.strip()), args.rounds, args.steps, args.warmup,
-           args.batch_size, args.seq_len, args.peak_tflops, save=not args.no_save, timeout=args.timeout, cuda_graph=args.cuda_graph)
+           args.batch_size, args.seq_len, args.peak_tflops, save=not args.no_save, timeout=args.timeout, cuda_graph=args.cuda_graph,
+           save_as=args.save_as)
     return 0
 
 def add_sweep_arch_arguments(p):

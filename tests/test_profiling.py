@@ -164,6 +164,23 @@ def test_versus_interrupted_keeps_the_finished_arms(tmp_path, monkeypatch):
     first_eager = 100.0 / next(r["tokens_per_s"] for r in saved["raw"]["eager"])
     assert abs(by["eager"]["rtrainer/arm"] - first_eager) < 1e-12
 
+def test_versus_save_as_keeps_the_record(tmp_path, monkeypatch):
+    "`rtrainer versus --save-as NAME`: a run of other tiers is saved under NAME; versus_CONFIG.json is not touched."
+    import argparse
+    import rtrainer.profiling as prof, rtrainer.kernels as kernels
+    monkeypatch.setattr(kernels, "RESULTS_DIR", tmp_path)
+    (tmp_path / "versus_tiny.json").write_text("the default tier's record")
+    rates = {"rtrainer": iter([100.0, 101.0]), "max-autotune-no-cudagraphs": iter([90.0, 92.0])}
+    monkeypatch.setattr(prof, "run_arm_process", lambda spec, timeout=None: dict(arm=spec["arm"], tokens_per_s=next(rates[spec["arm"]]), mfu=0.1))
+    p = argparse.ArgumentParser(); prof.add_versus_arguments(p)
+    args = p.parse_args(["--config", "tiny", "--tiers", "max-autotune-no-cudagraphs", "--rounds", "2", "--save-as", "versus_tiny_autotune"])
+    assert prof.run_versus(args) == 0
+    assert (tmp_path / "versus_tiny.json").read_text() == "the default tier's record"
+    saved = json.loads((tmp_path / "versus_tiny_autotune.json").read_text())
+    by = {r["arm"]: r for r in saved["rows"]}
+    assert by["max-autotune-no-cudagraphs"]["rounds"] == 2
+    assert abs(by["max-autotune-no-cudagraphs"]["tokens_per_s"] - 91.0) < 1e-9
+
 def test_ab_passes_train_flags_to_both_arms(monkeypatch):
     "`rtrainer ab --train-flags ...` hands the flags, split as a shell would, to every arm's `rtrainer train`."
     import argparse
