@@ -643,6 +643,8 @@ def versus(config="tiny", tiers=("eager", "default"), rounds=3, steps=10, warmup
     versus_CONFIG), so that a run of other tiers does not replace the record of these."""
     bad = [t for t in tiers if t not in TIERS]
     if bad: raise ValueError(f"versus: unknown tiers {bad}; choose from {list(TIERS)}")
+    if save_as is not None and (not save_as or Path(save_as).name != save_as or save_as.startswith(".")):
+        raise ValueError(f"versus: save_as must be a plain file name (it goes in data/results/), got {save_as!r}")
     seq_len = seq_len or (1024 if config in REFERENCE_BATCH else 64)
     batch_size = batch_size or REFERENCE_BATCH.get(config, 8)
     peak = resolve_peak_tflops(peak_tflops, warn=log)

@@ -180,6 +180,8 @@ def test_versus_save_as_keeps_the_record(tmp_path, monkeypatch):
     by = {r["arm"]: r for r in saved["rows"]}
     assert by["max-autotune-no-cudagraphs"]["rounds"] == 2
     assert abs(by["max-autotune-no-cudagraphs"]["tokens_per_s"] - 91.0) < 1e-9
+    for bad in ("../elsewhere", "", ".hidden"):     # refused before any arm runs
+        with pytest.raises(ValueError, match="save_as must be a plain file name"): versus("tiny", save_as=bad)
 
 def test_ab_passes_train_flags_to_both_arms(monkeypatch):
     "`rtrainer ab --train-flags ...` hands the flags, split as a shell would, to every arm's `rtrainer train`."
