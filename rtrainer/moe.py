@@ -820,6 +820,32 @@ class RoutingPlan:
     row_align: int = 1               # dropless: every group is a multiple of row_align rows, its last ones empty
 
 @triton.jit
+def _place_rows(experts_ptr, row_assignment_ptr, row_token_ptr, assignment_rows_ptr, e, first_row, limit, A,
+                TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """Expert e's assignments, walked in (token, rank) order (a cumsum per block plus a carry), take the rows from first_row
+    on, at most `limit` of them; the rest are dropped (row -1). Returns how many assignments expert e has."""
+    count = tl.zeros((), dtype=tl.int32)
+    for a0 in range(0, A, BLOCK):
+        a = a0 + tl.arange(0, BLOCK)
+        mine = (tl.load(experts_ptr + a, mask=a < A, other=-1) == e).to(tl.int32)
+        position = count + tl.cumsum(mine, 0) - 1                   # rank of the assignment within expert e
+        kept = (mine == 1) & (position < limit)
+        row = first_row + position
+        tl.store(row_assignment_ptr + row, a.to(tl.int64), mask=kept)
+        tl.store(row_token_ptr + row, (a // TOP_K).to(tl.int32), mask=kept)
+        tl.store(assignment_rows_ptr + a, tl.where(kept, row, -1), mask=mine == 1)
+        count += tl.sum(mine, 0)
+    return count
+
+@triton.jit
+def _mark_empty_rows(row_assignment_ptr, row_token_ptr, first, last, BLOCK: tl.constexpr):
+    "Rows [first, last) hold no assignment: -1 in both."
+    for r0 in range(first, last, BLOCK):
+        r = r0 + tl.arange(0, BLOCK)
+        tl.store(row_assignment_ptr + r, tl.full([BLOCK], -1, tl.int64), mask=r < last)
+        tl.store(row_token_ptr + r, tl.full([BLOCK], -1, tl.int32), mask=r < last)
+
+@triton.jit
 def capacity_plan_kernel(
     experts_ptr,          # (A,) int expert of each assignment, in (token, rank) order
     row_assignment_ptr,   # (E*C,) int64 out: assignment of each row, -1 for an unused slot
@@ -829,26 +855,12 @@ def capacity_plan_kernel(
     kept_ptr,             # (E,) int32 out: assignments expert e kept
     A, C, E, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    # program e walks all A assignments in order, counting expert e's (a cumsum per block plus a carry), then marks
-    # its unused slots; read A, write what expert e owns
+    # program e walks all A assignments in order, placing expert e's in its C slots, then marks the slots nobody took;
+    # read A, write what expert e owns
     e = tl.program_id(0)
-    count = tl.zeros((), dtype=tl.int32)
-    for a0 in range(0, A, BLOCK):
-        a = a0 + tl.arange(0, BLOCK)
-        mine = (tl.load(experts_ptr + a, mask=a < A, other=-1) == e).to(tl.int32)
-        position = count + tl.cumsum(mine, 0) - 1                   # rank of the assignment within expert e
-        kept = (mine == 1) & (position < C)
-        row = e * C + position
-        tl.store(row_assignment_ptr + row, a.to(tl.int64), mask=kept)
-        tl.store(row_token_ptr + row, (a // TOP_K).to(tl.int32), mask=kept)
-        tl.store(assignment_rows_ptr + a, tl.where(kept, row, -1), mask=mine == 1)
-        count += tl.sum(mine, 0)
+    count = _place_rows(experts_ptr, row_assignment_ptr, row_token_ptr, assignment_rows_ptr, e, e * C, C, A, TOP_K, BLOCK)
     filled = tl.minimum(count, C)
-    for r0 in range(0, C, BLOCK):                                   # the slots nobody took
-        r = r0 + tl.arange(0, BLOCK)
-        unused = (r >= filled) & (r < C)
-        tl.store(row_assignment_ptr + e * C + r, tl.full([BLOCK], -1, tl.int64), mask=unused)
-        tl.store(row_token_ptr + e * C + r, tl.full([BLOCK], -1, tl.int32), mask=unused)
+    _mark_empty_rows(row_assignment_ptr, row_token_ptr, e * C + filled, (e + 1) * C, BLOCK)
     tl.store(bounds_ptr + e, e * C)
     tl.store(bounds_ptr + E + e, (e + 1) * C)
     tl.store(kept_ptr + e, filled)
@@ -918,20 +930,9 @@ def dropless_plan_kernel(
     padded = (counts + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
     start = tl.sum(tl.where(ids < e, padded, 0), 0)
     end = start + tl.sum(tl.where(ids == e, padded, 0), 0)
-    count = tl.zeros((), dtype=tl.int32)
-    for a0 in range(0, A, BLOCK):
-        a = a0 + tl.arange(0, BLOCK)
-        mine = (tl.load(experts_ptr + a, mask=a < A, other=-1) == e).to(tl.int32)
-        row = start + count + tl.cumsum(mine, 0) - 1
-        tl.store(row_assignment_ptr + row, a.to(tl.int64), mask=mine == 1)
-        tl.store(row_token_ptr + row, (a // TOP_K).to(tl.int32), mask=mine == 1)
-        tl.store(assignment_rows_ptr + a, row, mask=mine == 1)
-        count += tl.sum(mine, 0)
+    count = _place_rows(experts_ptr, row_assignment_ptr, row_token_ptr, assignment_rows_ptr, e, start, A, A, TOP_K, BLOCK)
     last = tl.where(e < E - 1, end, R)                               # the last group's program also marks the tail
-    for r0 in range(start + count, last, BLOCK):
-        r = r0 + tl.arange(0, BLOCK)
-        tl.store(row_assignment_ptr + r, tl.full([BLOCK], -1, tl.int64), mask=r < last)
-        tl.store(row_token_ptr + r, tl.full([BLOCK], -1, tl.int32), mask=r < last)
+    _mark_empty_rows(row_assignment_ptr, row_token_ptr, start + count, last, BLOCK)
     tl.store(bounds_ptr + e, start)
     tl.store(bounds_ptr + E + e, end)
 
