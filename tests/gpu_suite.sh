@@ -55,6 +55,8 @@ for s in "$@"; do case $s in
   step-sync) stage step_sync ${SYNC_LIMIT:-400} $PY tests/step_sync_check.py --config ${SYNC_CONFIG:-rb100m} --rounds ${ROUNDS:-3} ;;   # the trainer's per-step host sync and Python's gc, at a host-bound model: $OUT/step_sync_check.json
   moe-profile) stage moe_profile 150 $PY tests/moe_profile.py ;;   # a MoE layer step's kernels, GEMMs and the rest: $OUT/moe_profile.json
   zero-rows-power) stage zero_rows_power 120 $PY tests/zero_rows_power.py ;;   # the moe4b gate_up product with part of each group zero (capacity's empty slots): time, power, clock: $OUT/zero_rows_power.json
+  moe-energy) stage moe_energy ${ENERGY_LIMIT:-300} $PY tests/moe_energy.py ;;   # the moe4b layer step and its expert GEMMs back to back under NVML's energy counter, and the layer by median_ms: $OUT/moe_energy.json
+  moe-overlap) stage moe_overlap 150 $PY tests/moe_overlap.py ;;   # a copy on spare SMs under the power-bound gate_up GEMM, against the two in sequence: $OUT/moe_overlap.json
   moe-layer-variants) stage moe_layer_variants ${LAYERV_LIMIT:-260} $PY tests/moe_layer_variants.py ;;   # the moe4b layer under tile configs of 03a's Gluon GEMM vs torch.compile: $OUT/moe_layer_variants.json
   attention-gluon) stage attention_gluon ${GLUON_LIMIT:-300} $PY tests/attention_gluon.py ;;   # Gluon forward, dQ and dK/dV with hand-placed wgmma waits, checked, then timed vs rtrainer (and cuDNN): $OUT/attention_gluon.json
   grad-release) stage grad_release ${RELEASE_LIMIT:-300} $PY tests/grad_release_check.py ;;   # free vs keep the fp32 gradient buffers between steps, and expandable segments: $OUT/grad_release_check.json
