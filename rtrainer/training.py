@@ -9,13 +9,13 @@ __all__ = ['BUNDLED_DATA', 'DEVICE_HELP', 'SWITCH', 'REFERENCE_LR', 'DEFAULT_LR'
            'DATASHEET_PEAK_TFLOPS', 'M_TRIM_THRESHOLD', 'M_MMAP_THRESHOLD', 'GRAPH_WARMUP_STEPS', 'SHAPE_OVERRIDES',
            'setting', 'TrainConfig', 'read_manifest', 'TrainingData', 'atomic_save_safetensors', 'save_checkpoint',
            'resolve_checkpoint', 'read_checkpoint', 'check_same_shape', 'load_model_weights', 'prune_checkpoints',
-           'device_peak_tflops', 'mfu', 'retain_freed_memory', 'held_out_loss', 'NonFiniteLoss', 'resolved', 'Trainer',
-           'load_model', 'side_stream', 'CapturedStep', 'compare_loss_curves', 'add_train_arguments',
-           'train_config_from_args', 'model_config_from_args', 'ensure_bundled_data', 'run_train', 'add_eval_arguments',
-           'run_eval', 'add_generate_arguments', 'run_generate']
+           'device_peak_tflops', 'mfu', 'retain_freed_memory', 'host_memory_free', 'held_out_loss', 'NonFiniteLoss',
+           'resolved', 'Trainer', 'load_model', 'side_stream', 'CapturedStep', 'compare_loss_curves',
+           'add_train_arguments', 'train_config_from_args', 'model_config_from_args', 'ensure_bundled_data',
+           'run_train', 'add_eval_arguments', 'run_eval', 'add_generate_arguments', 'run_generate']
 
 # %% ../nbs/06_training.ipynb #9db08b8c
-import argparse, ctypes, dataclasses, json, math, os, statistics, sys, time
+import argparse, ctypes, dataclasses, json, math, os, re, statistics, sys, time
 from dataclasses import dataclass, asdict, field
 from pathlib import Path
 import numpy as np
@@ -255,6 +255,17 @@ def retain_freed_memory():
     except OSError: return False
     return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 30) and libc.mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1))
 
+def host_memory_free():
+    "Bytes the host can still give this process (MemAvailable, capped by a cgroup v2 limit), or None where unknown."
+    try: free = int(re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M).group(1)) * 1024
+    except (OSError, AttributeError): return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max": free = min(free, int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError): pass
+    return free
+
+
 # %% ../nbs/06_training.ipynb #8d80ed7f
 @torch.no_grad()
 def held_out_loss(model, data, batch_size, seq_len, max_batches=0, rank=0, world_size=1, reduce_sum=lambda t: t):
@@ -297,6 +308,7 @@ class Trainer:
             raise ValueError(f"--init-from {config.init_from} is inside this run's checkpoint folder; it would be overwritten. Use another --checkpoint-dir")
         torch.manual_seed(config.seed)
         self.model = self.build_model()
+        self.check_host_memory()
         self.optimizer = AdamW(self.model.named_parameters(), lr=config.lr, betas=tuple(config.betas), eps=config.eps,
                                weight_decay=config.weight_decay, impl=self.model.impl)
         self.step = 0
@@ -309,6 +321,16 @@ class Trainer:
         elif config.init_from: self.restore(config.init_from, moments=config.init_moments, resume=False)
 
     def build_model(self): return TransformerLm(self.model_config, device=self.device)
+
+    def check_host_memory(self):
+        "On a CPU, refuse a micro-batch whose fp32 logits and log-softmax alone need more than the host has free."
+        if self.device.type != "cpu" or self.model.impl != "torch": return
+        c, V = self.cfg, self.model_config.vocab_size
+        need, free = 2 * c.batch_size * c.seq_len * V * 4, host_memory_free()
+        if free is not None and need > free:
+            raise ValueError(f"--batch-size {c.batch_size} x --seq-len {c.seq_len}: one micro-batch's fp32 logits and their "
+                             f"log-softmax (vocabulary {V:,}) need {need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB "
+                             f"this machine has free; lower --batch-size or --seq-len")
 
     def graph_step(self):
         """The CapturedStep that replays each step as one CUDA graph, or None for eager steps. `cuda_graph` "on" refuses a

@@ -157,6 +157,23 @@ def test_cli_errors(tmp_path, capsys):
     assert "no such checkpoint" in capsys.readouterr().err
 
 
+def test_a_cpu_run_too_large_for_the_host_is_refused(tmp_path, capsys, monkeypatch):
+    B, T, V = 3, 40, 512                                      # the floor: 2 fp32 (B*T, V) tensors, logits and log-softmax
+    floor = 2 * B * T * V * 4
+    monkeypatch.setattr(training, "host_memory_free", lambda: floor - 1)
+    with pytest.raises(ValueError, match=r"--batch-size 3 x --seq-len 40: .* need 0\.0 GiB"):
+        Trainer(cfg(tmp_path, batch_size=B, seq_len=T), model_config("tiny", vocab_size=V), log=quiet)
+    assert cli("train", "tiny", "--data", "synthetic", "--batch-size", B, "--seq-len", T, "--vocab-size", V,
+               "--out-dir", tmp_path / "o", "--no-progress") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "lower --batch-size or --seq-len" in err and not (tmp_path / "o").exists()
+    for free in (floor, None):                                # enough, or unknown (no /proc/meminfo): the run goes ahead
+        monkeypatch.setattr(training, "host_memory_free", lambda free=free: free)
+        Trainer(cfg(tmp_path, batch_size=B, seq_len=T), model_config("tiny", vocab_size=V), log=quiet)
+    free = training.host_memory_free()                        # this machine's own answer: a positive byte count, or None
+    assert free is None or free > 0
+
+
 def test_default_learning_rate_follows_the_model(tmp_path, capsys):
     "--lr left at 0 takes the tiny presets' 3e-3 or the reference configurations' 3e-4; a given rate is kept; a negative one is refused."
     assert TrainConfig().validate().lr == 3e-3 and TrainConfig(model="tiny_moe").validate().lr == 3e-3
