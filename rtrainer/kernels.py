@@ -14,20 +14,20 @@ __all__ = ['OPS', 'PROJECT_ROOT', 'RESULTS_DIR', 'T_QUANTILE_975', 'INTERPRETING
            'resolve_impl', 'get_op', 'at_least_fp32', 'rms_norm_reference', 'add_rms_norm_reference', 'rope_tables',
            'rope_reference', 'swiglu_reference', 'embedding_reference', 'start_gradient_step', 'main_grad_for_write',
            'mark_main_grad_written', 'weight_grad_buffer', 'finish_weight_grad', 'accumulate_main_grad',
-           'gradient_fp32', 'median_ms', 'peak_bytes', 'git_commit', 'machine_metadata', 'save_results', 'load_results',
-           'show_results', 't_quantile_975', 'ratio_interval', 'spread', 'alternation', 'check_kernel_device',
-           'vecadd_kernel', 'vecadd', 'relative_error', 'check_close', 'time_ms', 'benchmark_row', 'bench_vecadd',
-           'rms_norm_forward_kernel', 'rms_norm_backward_kernel', 'as_rows', 'resident_programs', 'rms_norm_forward',
-           'rms_norm_backward', 'RMSNormFunction', 'AddRMSNormFunction', 'rms_norm_triton', 'add_rms_norm_triton',
-           'register_op_example', 'run_op_with_grads', 'check_op', 'rope_kernel', 'rope_apply', 'RoPEFunction',
-           'rope_triton', 'swiglu_forward_kernel', 'swiglu_backward_kernel', 'swiglu_forward', 'swiglu_backward',
-           'SwiGLUFunction', 'swiglu_triton', 'embedding_forward_kernel', 'embedding_backward_segments_kernel',
-           'embedding_backward_atomic_kernel', 'embedding_forward', 'embedding_backward_deterministic',
-           'embedding_backward_atomic', 'EmbeddingFunction', 'embedding_triton', 'embedding_run_to_run_differences',
-           'bench_rms_norm', 'bench_add_rms_norm', 'bench_rope', 'bench_swiglu', 'bench_embedding',
-           'register_benchmark', 'benchmark_suite', 'print_table', 'add_doctor_arguments', 'run_doctor', 'parse_size',
-           'add_bench_arguments', 'run_ops_check', 'run_bench', 'kernel_knobs', 'parse_variants', 'add_sweep_arguments',
-           'knob_values', 'run_sweep']
+           'gradient_fp32', 'median_ms', 'sustained_ms', 'peak_bytes', 'git_commit', 'machine_metadata', 'save_results',
+           'load_results', 'show_results', 't_quantile_975', 'ratio_interval', 'spread', 'alternation',
+           'check_kernel_device', 'vecadd_kernel', 'vecadd', 'relative_error', 'check_close', 'time_ms',
+           'benchmark_row', 'bench_vecadd', 'rms_norm_forward_kernel', 'rms_norm_backward_kernel', 'as_rows',
+           'resident_programs', 'rms_norm_forward', 'rms_norm_backward', 'RMSNormFunction', 'AddRMSNormFunction',
+           'rms_norm_triton', 'add_rms_norm_triton', 'register_op_example', 'run_op_with_grads', 'check_op',
+           'rope_kernel', 'rope_apply', 'RoPEFunction', 'rope_triton', 'swiglu_forward_kernel',
+           'swiglu_backward_kernel', 'swiglu_forward', 'swiglu_backward', 'SwiGLUFunction', 'swiglu_triton',
+           'embedding_forward_kernel', 'embedding_backward_segments_kernel', 'embedding_backward_atomic_kernel',
+           'embedding_forward', 'embedding_backward_deterministic', 'embedding_backward_atomic', 'EmbeddingFunction',
+           'embedding_triton', 'embedding_run_to_run_differences', 'bench_rms_norm', 'bench_add_rms_norm', 'bench_rope',
+           'bench_swiglu', 'bench_embedding', 'register_benchmark', 'benchmark_suite', 'print_table',
+           'add_doctor_arguments', 'run_doctor', 'parse_size', 'add_bench_arguments', 'run_ops_check', 'run_bench',
+           'kernel_knobs', 'parse_variants', 'add_sweep_arguments', 'knob_values', 'run_sweep']
 
 # %% ../nbs/01_kernels.ipynb #127953a0
 import datetime, json, math, os, platform, re, statistics, subprocess, sys, time, warnings
@@ -204,6 +204,21 @@ def median_ms(fn, warmup_ms=25, rep_ms=100, max_batch=100):
             continue
         times.append(start.elapsed_time(end) / batch)
     return statistics.median(times)
+
+def sustained_ms(fn, seconds=1.0, warmup_ms=25):
+    """Device milliseconds of one `fn()` over about `seconds` of calls queued back to back, with no idle moment
+    between them (timed with CUDA events around the whole run): the rate of a training loop, which gives a
+    power-limited GPU no pause (see above)."""
+    t0 = time.perf_counter()
+    while True:
+        fn(); torch.cuda.synchronize()
+        if (time.perf_counter() - t0) * 1e3 >= warmup_ms: break
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    calls, t_end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < t_end: fn(); calls += 1         # the launch queue fills, then the host waits on it
+    end.record(); end.synchronize()
+    return start.elapsed_time(end) / calls
 
 def peak_bytes(fn):
     "Peak bytes allocated on the GPU while `fn()` runs, above what was allocated before it."

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from .kernels import (INTERPRETING, KERNELS_CAN_RUN, register_op, get_op, resolve_impl, at_least_fp32, swiglu_reference,
                               swiglu_forward, SWIGLU_BLOCK, SWIGLU_NUM_WARPS, weight_grad_buffer, finish_weight_grad, start_gradient_step,
-                              gradient_fp32, median_ms, peak_bytes, alternation, ratio_interval, save_results, show_results, knob_values,
+                              gradient_fp32, median_ms, sustained_ms, peak_bytes, alternation, ratio_interval, save_results, show_results, knob_values,
                               _program_count)
 from .matmul import linear_reference    # also registers the "linear" op used by the shared expert
 
@@ -1394,9 +1394,11 @@ def benchmark_suite(quick=False, rounds=5):
     torch.cuda.synchronize()
     max_load = layers["triton dropless"].last_stats["expert_load"].max().item() * E
     dropped = layers["triton capacity"].last_stats["dropped_fraction"].item()
-    times = {name: [] for name in steps}
+    times, sustained = {name: [] for name in steps}, {name: [] for name in steps}   # median_ms, and back to back
     for r in range(rounds):
-        for name in alternation(steps, r): times[name].append(median_ms(steps[name]))
+        for name in alternation(steps, r):
+            times[name].append(median_ms(steps[name]))
+            sustained[name].append(sustained_ms(steps[name], seconds=0.3 if quick else 1.0))
     routed_rows = N * k
     flops = 3 * 2 * routed_rows * D * 3 * FF          # forward + 2x backward, gate_up (2FF) and down (FF) GEMMs
     base = sum(times[base_name]) / rounds
@@ -1407,6 +1409,8 @@ def benchmark_suite(quick=False, rounds=5):
         backends = _arm_backends(dispatch, impl, knobs, dt)
         mean = sum(ts) / len(ts)
         _, low, high = ratio_interval([b / t for b, t in zip(times[base_name], ts)])     # paired by round
+        _, s_low, s_high = ratio_interval([b / t for b, t in zip(sustained[base_name], sustained[name])])
+        s_mean = sum(sustained[name]) / rounds
         with knob_values(MOE_KNOBS, knobs):                                 # the registered kernels took the products
             takes_groups = dispatch == "capacity" or dropless_row_align(x) > 1
             fast_gemm = bool(backends and backends.gemm == "library" and takes_groups and FAST_PATHS and FAST_GEMM)
@@ -1414,7 +1418,10 @@ def benchmark_suite(quick=False, rounds=5):
         rows.append(dict(arm=name, ms=mean, ms_min=min(ts), ms_max=max(ts), tflops=flops / mean / 1e9,
                          speedup_vs_compile=base / mean, speedup_vs_best_compile=sum(times[best_compile]) / rounds / mean,
                          speedup_ci95=(high - low) / 2 if low is not None else None,
-                         speedup_ci95_low=low, speedup_ci95_high=high, first_call_s=first_call_s[name],
+                         speedup_ci95_low=low, speedup_ci95_high=high, sustained_ms=s_mean,
+                         sustained_speedup_vs_compile=sum(sustained[base_name]) / rounds / s_mean,
+                         sustained_ci95=(s_high - s_low) / 2 if s_low is not None else None,
+                         sustained_ci95_low=s_low, sustained_ci95_high=s_high, first_call_s=first_call_s[name],
                          peak_step_gib=peaks[name] / 2**30, saved_gib=saved_bytes[name] / 2**30 if name in saved_bytes else None,
                          dispatch=dispatch, gemm=backends.gemm if backends else impl,
                          fast_gemm=fast_gemm, fast_swiglu=fast_swiglu, weight_grad=backends.weight_grad if backends else impl,

@@ -118,6 +118,17 @@ def test_median_ms_times_the_device_not_the_host():
     print(f"copy {fast:.4f} ms, with 2 ms of host work per call {slow:.4f} ms")
     assert 0.05 < fast < 1.0 and slow < 1.3 * fast + 0.02
 
+def test_sustained_ms_times_calls_back_to_back():
+    "A 2 ms spin kernel queued back to back: about 2 ms a call; with 2 ms of host work per call the host shows (no spin hides it)."
+    import time
+    from rtrainer.kernels import sustained_ms, _cycles_per_ms
+    cycles = int(2.0 * _cycles_per_ms())
+    def spin(): torch.cuda._sleep(cycles)
+    def slow_host_spin(): time.sleep(0.004); torch.cuda._sleep(cycles)
+    ms, host_bound = sustained_ms(spin, seconds=0.3), sustained_ms(slow_host_spin, seconds=0.3)
+    print(f"spin {ms:.3f} ms, with 4 ms of host work per call {host_bound:.3f} ms")
+    assert 1.8 < ms < 2.2 and host_bound > 3.8
+
 def test_resident_programs_reads_the_compiled_kernel():
     "Occupancy from the compiled kernel: a light 4-warp kernel is thread-bound (2048 threads per SM), a register-heavy one fewer."
     a = torch.randn(4096, device="cuda")

@@ -255,7 +255,7 @@ def test_benchmark_suite_quick_runs():
     path = benchmark_suite(quick=True, rounds=2)
     res = load_results("moe_quick")
     assert res is not None and [r["arm"] for r in res["rows"]] == list(moe.benchmark_arms(quick=True)), path   # no max-autotune
-    assert all(r["ms"] > 0 for r in res["rows"]) and res["compile_modes"] == {"torch.compile capacity": "default"}
+    assert all(r["ms"] > 0 and r["sustained_ms"] > 0 for r in res["rows"]) and res["compile_modes"] == {"torch.compile capacity": "default"}
     assert res["per_expert_dropless_over_capacity_time"] > 0 and res["library_dropless_over_capacity_time"] > 0
     assert all(r["peak_step_gib"] > 0 for r in res["rows"]) and all(r["saved_gib"] > 0 for r in res["rows"][1:])
     assert set(res["auto_picks"]) == {"capacity", "dropless"} and all(p["arm"] for p in res["auto_picks"].values()), res["auto_picks"]
