@@ -175,14 +175,18 @@ def _cycles_per_ms():
         _spin_cycles_per_ms[device] = 20_000_000 / start.elapsed_time(end)
     return _spin_cycles_per_ms[device]
 
+def _warm_up(fn, warmup_ms):
+    "Call fn, synchronizing after each call, for at least warmup_ms (compilation, autotuning, the allocator)."
+    t0 = time.perf_counter()
+    while True:
+        fn(); torch.cuda.synchronize()
+        if (time.perf_counter() - t0) * 1e3 >= warmup_ms: break
+
 def median_ms(fn, warmup_ms=25, rep_ms=100, max_batch=100):
     """Median device milliseconds of one `fn()` on the GPU, the host's launch overhead hidden: batches of calls
     queued behind a spin kernel long enough for the host to enqueue them, timed with CUDA events (see above)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
-    while True:                                                     # warm-up (and a first estimate of one call)
-        fn(); torch.cuda.synchronize()
-        if (time.perf_counter() - t0) * 1e3 >= warmup_ms: break
+    _warm_up(fn, warmup_ms)
     t0 = time.perf_counter(); fn(); host_ms = (time.perf_counter() - t0) * 1e3   # enqueue time of one call
     torch.cuda.synchronize()
     start.record(); fn(); end.record(); end.synchronize()
@@ -209,10 +213,7 @@ def sustained_ms(fn, seconds=1.0, warmup_ms=25):
     """Device milliseconds of one `fn()` over about `seconds` of calls queued back to back, with no idle moment
     between them (timed with CUDA events around the whole run): the rate of a training loop, which gives a
     power-limited GPU no pause (see above)."""
-    t0 = time.perf_counter()
-    while True:
-        fn(); torch.cuda.synchronize()
-        if (time.perf_counter() - t0) * 1e3 >= warmup_ms: break
+    _warm_up(fn, warmup_ms)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     calls, t_end = 0, time.perf_counter() + seconds
