@@ -1,0 +1,57 @@
+"""Does the attention chapter's lead over cuDNN hold back to back? Forward + backward of flash attention through the
+package (the Hopper kernels on) against cuDNN's SDPA at the four reference shapes, each arm timed by `median_ms` (batches
+behind an idle spin kernel, as attention_hopper_bench.py times them) and by `sustained_ms` (calls queued back to back
+for about SECONDS, the rate of a training loop at the power limit), ROUNDS alternated rounds in one process, 95%
+intervals on the paired ratios. Run on the GPU: `python tests/attention_sustained.py` (writes
+$OUT/attention_sustained.json when OUT is set)."""
+import json, os, statistics, sys, time
+import torch
+import triton
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import rtrainer.attention_hopper as hopper                     # registers the Hopper kernels
+from rtrainer.attention import flash_attention, fused_qkv_views, attention_flops, REFERENCE_ATTENTION_SHAPES, _sdpa_attention
+from rtrainer.kernels import median_ms, sustained_ms, ratio_interval, alternation
+
+ROUNDS = int(os.environ.get("ROUNDS", 3))
+SECONDS = float(os.environ.get("SECONDS", 0.5))
+
+def main():
+    rows = []
+    for name, (B, H, KV, T, hd) in REFERENCE_ATTENTION_SHAPES.items():
+        q, k, v = (t.requires_grad_() for t in fused_qkv_views(B, T, H, KV, hd, torch.bfloat16, "cuda"))
+        do = torch.randn(B, T, H, hd, dtype=torch.bfloat16, device="cuda")
+        kr, vr = (t.detach().repeat_interleave(H // KV, dim=2).requires_grad_() for t in (k, v))
+        cudnn = _sdpa_attention("CUDNN_ATTENTION", False)
+        arms = {"flash": lambda: torch.autograd.grad(flash_attention(q, k, v), (q, k, v), do),
+                "cudnn": lambda: torch.autograd.grad(cudnn(q, kr, vr), (q, kr, vr), do)}
+        for step in arms.values(): step()
+        burst, sustained = {a: [] for a in arms}, {a: [] for a in arms}
+        for r in range(ROUNDS):
+            for a in alternation(arms, r):
+                burst[a].append(median_ms(arms[a]))
+                sustained[a].append(sustained_ms(arms[a], seconds=SECONDS))
+        flops = 3.5 * attention_flops(B, H, T, hd)
+        row = dict(shape=name, B=B, H=H, KV=KV, T=T, hd=hd, hopper_kernels=hopper.ENABLED)
+        for regime, times in (("burst", burst), ("sustained", sustained)):
+            ms = {a: statistics.fmean(t) for a, t in times.items()}
+            row[regime] = dict(ms=ms, tflops={a: flops / m / 1e9 for a, m in ms.items()},
+                               flash_vs_cudnn=ratio_interval([c / f for c, f in zip(times["cudnn"], times["flash"])]))
+        rows.append(row)
+        print(name, " ".join(f"{g}: {row[g]['flash_vs_cudnn'][0]:.3f} [{row[g]['flash_vs_cudnn'][1]:.3f}, {row[g]['flash_vs_cudnn'][2]:.3f}]"
+                             for g in ("burst", "sustained")), flush=True)
+    print(f"\n{'shape':10s} {'flash ms':>9s} {'cudnn ms':>9s} {'burst flash/cudnn':>24s} {'b2b flash ms':>12s} {'b2b cudnn ms':>12s} {'back to back':>24s}")
+    for r in rows:
+        b, s = r["burst"], r["sustained"]
+        ci = lambda x: "%.3f [%.3f, %.3f]" % x
+        print(f"{r['shape']:10s} {b['ms']['flash']:9.3f} {b['ms']['cudnn']:9.3f} {ci(b['flash_vs_cudnn']):>24s} "
+              f"{s['ms']['flash']:12.3f} {s['ms']['cudnn']:12.3f} {ci(s['flash_vs_cudnn']):>24s}")
+    if os.environ.get("OUT"):
+        payload = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
+                       triton=triton.__version__, rounds=ROUNDS, seconds_per_sustained_run=SECONDS, rows=rows,
+                       method=__doc__.split("\n\n")[0].replace("\n", " "),
+                       flop_convention="causal = half of 4*B*H*T^2*hd; forward + backward = 3.5x the forward")
+        with open(os.path.join(os.environ["OUT"], "attention_sustained.json"), "w") as f: json.dump(payload, f, indent=1)
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available(): sys.exit("attention_sustained: needs a CUDA GPU")
+    main()
