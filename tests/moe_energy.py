@@ -8,7 +8,8 @@ Per arm: ms and joules per call, mean watts and SM MHz, and the fraction of samp
 software power cap as a clock limiter. The layer arms are also timed as the chapter's benchmark times them
 (median_ms: short batches, each behind an idle spin kernel), in the same rounds, so the two regimes pair up. The
 last table puts the isolated GEMMs' joules against the layer's: if the step runs at the power limit, its time is
-at least (its GEMMs' joules) / (the limit's watts). LAYER_ONLY=1 runs the layer arms only.
+at least (its GEMMs' joules) / (the limit's watts). LAYER_ONLY=1 runs the layer arms only; HOST_ONLY=1 prints each
+layer arm's host time to enqueue one step (to rule out a host-bound back-to-back time) and stops.
 Run on the GPU: `python tests/moe_energy.py` (writes $OUT/moe_energy.json when OUT is set)."""
 import ctypes, json, os, statistics, sys, threading, time
 import torch
@@ -134,7 +135,17 @@ def memory_pass():
     bb, c = torch.randn_like(a), torch.empty_like(a)
     return {"bandwidth pass (bf16 add, 1.5 GiB)": lambda: torch.add(a, bb, out=c)}
 
+def host_only():
+    for name, step in layer_steps().items():
+        for _ in range(3): step()
+        torch.cuda.synchronize(); t0 = time.perf_counter()
+        for _ in range(10): step()
+        enqueue = (time.perf_counter() - t0) * 1e2                 # ms per step, no synchronization inside
+        torch.cuda.synchronize(); device = (time.perf_counter() - t0) * 1e2
+        print(f"{name}: host enqueue {enqueue:.3f} ms per step, device and host together {device:.3f} ms per step", flush=True)
+
 def main():
+    if os.environ.get("HOST_ONLY") == "1": return host_only()
     nvml = Nvml()
     layer_only = os.environ.get("LAYER_ONLY") == "1"
     arms = {**layer_steps(), **({} if layer_only else {**gemm_calls(), **memory_pass()})}
