@@ -212,7 +212,8 @@ def median_ms(fn, warmup_ms=25, rep_ms=100, max_batch=100):
 def sustained_ms(fn, seconds=1.0, warmup_ms=25):
     """Device milliseconds of one `fn()` over about `seconds` of calls queued back to back, with no idle moment
     between them (timed with CUDA events around the whole run): the rate of a training loop, which gives a
-    power-limited GPU no pause (see above)."""
+    power-limited GPU no pause (see above). Where the host enqueues a call more slowly than the GPU runs it, this
+    measures the host too."""
     _warm_up(fn, warmup_ms)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
