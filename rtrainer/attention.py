@@ -12,7 +12,7 @@ __all__ = ['SUPPORTED_HEAD_DIMS', 'INTERPRET_BLOCK_M', 'INTERPRET_BLOCK_N', 'LOG
            'flash_attention_forward', 'flash_backward_dq', 'flash_backward_dkdv', 'flash_attention_backward',
            'FlashAttentionFunction', 'flash_attention', 'fused_qkv_views', 'attention_parity_errors',
            'rope_attention_reference', 'RopeAttentionFunction', 'rope_attention_triton', 'rope_attention_errors',
-           'attention_flops', 'benchmark_suite']
+           'attention_flops', 'attention_benchmark_inputs', 'benchmark_suite']
 
 # %% ../nbs/02_attention.ipynb #63301f7a
 import math, os
@@ -512,11 +512,17 @@ def _time_arm(fn, q, k, v, do, rep_ms):
     both = median_ms(lambda: torch.autograd.grad(fn(q, k, v), inputs, do), rep_ms=rep_ms)
     return fwd, bwd, both
 
+def attention_benchmark_inputs(B, H, KV, T, hd, device="cuda", dtype=torch.bfloat16):
+    """(q, k, v, do, k_rep, v_rep) for a benchmark at one shape: q, k, v views of one fused projection, requiring grad;
+    a random output gradient; and k, v repeated to H heads (leaves of their own) for backends without grouped heads."""
+    q, k, v = (t.requires_grad_() for t in fused_qkv_views(B, T, H, KV, hd, dtype, device))
+    do = torch.randn(B, T, H, hd, dtype=dtype, device=device)
+    k_rep, v_rep = (t.detach().repeat_interleave(H // KV, dim=2).requires_grad_() for t in (k, v))
+    return q, k, v, do, k_rep, v_rep
+
 def _bench_shape(label, B, H, KV, T, hd, rounds, rep_ms, device="cuda"):
     "Rows for flash attention and torch's best SDPA backend at one shape."
-    q, k, v = (t.requires_grad_() for t in fused_qkv_views(B, T, H, KV, hd, torch.bfloat16, device))
-    do = torch.randn(B, T, H, hd, dtype=torch.bfloat16, device=device)
-    k_rep, v_rep = (t.detach().repeat_interleave(H // KV, dim=2).requires_grad_() for t in (k, v))
+    q, k, v, do, k_rep, v_rep = attention_benchmark_inputs(B, H, KV, T, hd, device)
     candidates, tried = {}, {}
     for backend in SDPA_BACKENDS:
         for gqa in ((True, False) if H != KV else (False,)):

@@ -14,8 +14,8 @@ __all__ = ['OPS', 'PROJECT_ROOT', 'RESULTS_DIR', 'T_QUANTILE_975', 'INTERPRETING
            'resolve_impl', 'get_op', 'at_least_fp32', 'rms_norm_reference', 'add_rms_norm_reference', 'rope_tables',
            'rope_reference', 'swiglu_reference', 'embedding_reference', 'start_gradient_step', 'main_grad_for_write',
            'mark_main_grad_written', 'weight_grad_buffer', 'finish_weight_grad', 'accumulate_main_grad',
-           'gradient_fp32', 'median_ms', 'sustained_ms', 'peak_bytes', 'git_commit', 'machine_metadata', 'save_results',
-           'load_results', 'show_results', 't_quantile_975', 'ratio_interval', 'spread', 'alternation',
+           'gradient_fp32', 'enqueue_ms', 'median_ms', 'sustained_ms', 'peak_bytes', 'git_commit', 'machine_metadata',
+           'save_results', 'load_results', 'show_results', 't_quantile_975', 'ratio_interval', 'spread', 'alternation',
            'check_kernel_device', 'vecadd_kernel', 'vecadd', 'relative_error', 'check_close', 'time_ms',
            'benchmark_row', 'bench_vecadd', 'rms_norm_forward_kernel', 'rms_norm_backward_kernel', 'as_rows',
            'resident_programs', 'rms_norm_forward', 'rms_norm_backward', 'RMSNormFunction', 'AddRMSNormFunction',
@@ -182,13 +182,21 @@ def _warm_up(fn, warmup_ms):
         fn(); torch.cuda.synchronize()
         if (time.perf_counter() - t0) * 1e3 >= warmup_ms: break
 
+def enqueue_ms(fn, calls=1):
+    "Host milliseconds to enqueue one `fn()` (the GPU may still be running it), over `calls` calls with no sync between."
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls): fn()
+    ms = (time.perf_counter() - t0) * 1e3 / calls
+    torch.cuda.synchronize()
+    return ms
+
 def median_ms(fn, warmup_ms=25, rep_ms=100, max_batch=100):
     """Median device milliseconds of one `fn()` on the GPU, the host's launch overhead hidden: batches of calls
     queued behind a spin kernel long enough for the host to enqueue them, timed with CUDA events (see above)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     _warm_up(fn, warmup_ms)
-    t0 = time.perf_counter(); fn(); host_ms = (time.perf_counter() - t0) * 1e3   # enqueue time of one call
-    torch.cuda.synchronize()
+    host_ms = enqueue_ms(fn)
     start.record(); fn(); end.record(); end.synchronize()
     device_ms = max(start.elapsed_time(end), 1e-3)                 # an upper bound: may still include the host
     batch = max(1, min(max_batch, int(5.0 / device_ms)))            # about 5 ms of work per batch

@@ -4,7 +4,7 @@ dense1b's heads at 16,384 tokens): three alternated rounds in one process, the m
 95% interval on the paired ratios. Writes data/results/attention_hopper.json; prints a table last."""
 import statistics, torch
 import rtrainer.attention_hopper as hopper
-from rtrainer.attention import (flash_attention, fused_qkv_views, attention_flops, REFERENCE_ATTENTION_SHAPES, _sdpa_attention,
+from rtrainer.attention import (flash_attention, attention_benchmark_inputs, attention_flops, REFERENCE_ATTENTION_SHAPES, _sdpa_attention,
                                 SWEEP_LENGTHS, SWEEP_TOKENS, SWEEP_HEADS)
 from rtrainer.kernels import median_ms, ratio_interval, save_results
 
@@ -14,9 +14,7 @@ SHAPES.update({f"sweep T{T}": (max(1, SWEEP_TOKENS // T), *SWEEP_HEADS[:2], T, S
 SHAPES.update({f"sweep128 T{T}": (max(1, 16384 // T), 16, 16, T, 128) for T in SWEEP_LENGTHS if T != 1024})
 rows = []
 for name, (B, H, KV, T, hd) in SHAPES.items():
-    q, k, v = (t.requires_grad_() for t in fused_qkv_views(B, T, H, KV, hd, torch.bfloat16, "cuda"))
-    do = torch.randn(B, T, H, hd, dtype=torch.bfloat16, device="cuda")
-    kr, vr = (t.detach().repeat_interleave(H // KV, dim=2).requires_grad_() for t in (k, v))
+    q, k, v, do, kr, vr = attention_benchmark_inputs(B, H, KV, T, hd)
     cudnn = _sdpa_attention("CUDNN_ATTENTION", False)
     def both(fn, kk, vv, enabled):
         def step():

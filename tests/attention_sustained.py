@@ -10,8 +10,8 @@ import torch
 import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rtrainer.attention_hopper as hopper                     # registers the Hopper kernels
-from rtrainer.attention import flash_attention, fused_qkv_views, attention_flops, REFERENCE_ATTENTION_SHAPES, _sdpa_attention
-from rtrainer.kernels import median_ms, sustained_ms, ratio_interval, alternation
+from rtrainer.attention import flash_attention, attention_benchmark_inputs, attention_flops, REFERENCE_ATTENTION_SHAPES, _sdpa_attention
+from rtrainer.kernels import median_ms, sustained_ms, enqueue_ms, ratio_interval, alternation
 
 ROUNDS = int(os.environ.get("ROUNDS", 3))
 SECONDS = float(os.environ.get("SECONDS", 0.5))
@@ -26,26 +26,16 @@ def graph_replay(step):
     with torch.cuda.graph(graph): step()
     return graph.replay
 
-def host_ms(step, calls=20):
-    "Host milliseconds to enqueue one step (no synchronization inside)."
-    torch.cuda.synchronize(); t0 = time.perf_counter()
-    for _ in range(calls): step()
-    ms = (time.perf_counter() - t0) * 1e3 / calls
-    torch.cuda.synchronize()
-    return ms
-
 def main():
     rows = []
     for name, (B, H, KV, T, hd) in REFERENCE_ATTENTION_SHAPES.items():
-        q, k, v = (t.requires_grad_() for t in fused_qkv_views(B, T, H, KV, hd, torch.bfloat16, "cuda"))
-        do = torch.randn(B, T, H, hd, dtype=torch.bfloat16, device="cuda")
-        kr, vr = (t.detach().repeat_interleave(H // KV, dim=2).requires_grad_() for t in (k, v))
+        q, k, v, do, kr, vr = attention_benchmark_inputs(B, H, KV, T, hd)
         cudnn = _sdpa_attention("CUDNN_ATTENTION", False)
         arms = {"flash": lambda: torch.autograd.grad(flash_attention(q, k, v), (q, k, v), do),
                 "cudnn": lambda: torch.autograd.grad(cudnn(q, kr, vr), (q, kr, vr), do)}
         for step in arms.values(): step()
         replays = {a: graph_replay(step) for a, step in arms.items()}
-        host = {a: host_ms(step) for a, step in arms.items()}
+        host = {a: enqueue_ms(step, calls=20) for a, step in arms.items()}
         burst, sustained, graphed = {a: [] for a in arms}, {a: [] for a in arms}, {a: [] for a in arms}
         for r in range(ROUNDS):
             for a in alternation(arms, r):

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rtrainer.moe as moe
 from rtrainer import moe_hopper
 from rtrainer.moe import MoeFeedForward, _moe_layer_step, BENCHMARK_ARMS
-from rtrainer.kernels import knob_values, alternation, median_ms, ratio_interval
+from rtrainer.kernels import knob_values, alternation, median_ms, sustained_ms, enqueue_ms, ratio_interval
 
 ROUNDS = int(os.environ.get("ROUNDS", 3))
 SECONDS = float(os.environ.get("SECONDS", 3.0))
@@ -138,11 +138,8 @@ def memory_pass():
 def host_only():
     for name, step in layer_steps().items():
         for _ in range(3): step()
-        torch.cuda.synchronize(); t0 = time.perf_counter()
-        for _ in range(10): step()
-        enqueue = (time.perf_counter() - t0) * 1e2                 # ms per step, no synchronization inside
-        torch.cuda.synchronize(); device = (time.perf_counter() - t0) * 1e2
-        print(f"{name}: host enqueue {enqueue:.3f} ms per step, device and host together {device:.3f} ms per step", flush=True)
+        print(f"{name}: host enqueue {enqueue_ms(step, calls=10):.3f} ms per step, back to back "
+              f"{sustained_ms(step):.3f} ms per step", flush=True)
 
 def main():
     if os.environ.get("HOST_ONLY") == "1": return host_only()

@@ -155,3 +155,13 @@ def test_fast_paths_get_the_checked_outputs_and_may_decline():
         assert dk.isfinite().all() and dv.isfinite().all() and dk.abs().max() != 5.0
     finally:
         FAST_PATHS.clear(); FAST_PATHS.update(saved)
+
+
+def test_attention_benchmark_inputs_repeat_kv_to_every_head():
+    B, H, KV, T, hd = 2, 6, 2, 5, 8
+    q, k, v, do, k_rep, v_rep = attention.attention_benchmark_inputs(B, H, KV, T, hd, device="cpu", dtype=torch.float32)
+    assert q.shape == do.shape == (B, T, H, hd) and k.shape == v.shape == (B, T, KV, hd)
+    assert all(t.requires_grad for t in (q, k, v, k_rep, v_rep)) and k_rep.is_leaf and v_rep.is_leaf
+    for rep, src in ((k_rep, k), (v_rep, v)):
+        assert rep.shape == (B, T, H, hd)
+        for h in range(H): assert torch.equal(rep[:, :, h], src[:, :, h // (H // KV)].detach())

@@ -169,3 +169,14 @@ def test_bench_ops_and_kernel(capsys):
     assert _cli("bench", "nope") == 2
     out = capsys.readouterr().out
     assert "swiglu" in out and "rope" in out
+
+
+def test_enqueue_ms_times_the_host_between_two_synchronizations(monkeypatch):
+    "Host time per call, synchronized before and after the calls and never between them."
+    import time
+    syncs, order = [], []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(len(order)))
+    def call(): order.append(1); time.sleep(0.004)
+    ms = K.enqueue_ms(call, calls=5)
+    assert len(order) == 5 and syncs == [0, 5]
+    assert 3.5 < ms < 40
