@@ -209,10 +209,10 @@ def median_ms(fn, warmup_ms=25, rep_ms=100, max_batch=100):
         start.record()
         for _ in range(batch): fn()
         end.record()
-        enqueue_ms = (time.perf_counter() - t0) * 1e3
+        queued_ms = (time.perf_counter() - t0) * 1e3
         end.synchronize()
-        if enqueue_ms > spin_ms and retries < 3:                    # the GPU may have waited for the host: retry longer
-            host_ms, retries = enqueue_ms / batch, retries + 1          # (a call that synchronizes never gets ahead)
+        if queued_ms > spin_ms and retries < 3:                    # the GPU may have waited for the host: retry longer
+            host_ms, retries = queued_ms / batch, retries + 1          # (a call that synchronizes never gets ahead)
             continue
         times.append(start.elapsed_time(end) / batch)
     return statistics.median(times)
@@ -239,7 +239,9 @@ def peak_bytes(fn):
     return torch.cuda.max_memory_allocated() - start
 
 def git_commit(root=None):
-    "Short commit of the working tree (with '+dirty' when it has uncommitted changes), or 'unknown'."
+    """Short commit of the working tree (with '+dirty' when it has uncommitted changes), or 'unknown'. RTRAINER_COMMIT,
+    when set, is taken instead: a copy of the tree on another machine (the GPU's) may carry stale git metadata."""
+    if os.environ.get("RTRAINER_COMMIT") and root is None: return os.environ["RTRAINER_COMMIT"]
     root = root or PROJECT_ROOT
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()

@@ -107,6 +107,7 @@ def test_cli_on_gpu(capsys):
     out = capsys.readouterr().out
     assert "compiled (CUDA)" in out and "RMS_NORM_BLOCK_ROWS=2" in out
 
+@pytest.mark.serial
 def test_median_ms_times_the_device_not_the_host():
     "Two milliseconds of host work per call must not show up in the device time of a ~0.1 ms copy."
     import time
@@ -118,6 +119,7 @@ def test_median_ms_times_the_device_not_the_host():
     print(f"copy {fast:.4f} ms, with 2 ms of host work per call {slow:.4f} ms")
     assert 0.05 < fast < 1.0 and slow < 1.3 * fast + 0.02
 
+@pytest.mark.serial
 def test_sustained_ms_times_calls_back_to_back():
     "A 2 ms spin kernel queued back to back: about 2 ms a call; with 2 ms of host work per call the host shows (no spin hides it)."
     import time
