@@ -15,12 +15,12 @@ __all__ = ['SUPPORTED_HEAD_DIMS', 'INTERPRET_BLOCK_M', 'INTERPRET_BLOCK_N', 'LOG
            'attention_flops', 'attention_benchmark_inputs', 'benchmark_suite']
 
 # %% ../nbs/02_attention.ipynb #63301f7a
-import math, os
+import math
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from .kernels import register_op, at_least_fp32, INTERPRETING, KERNELS_CAN_RUN, relative_error, median_ms, ratio_interval, save_results, load_results, show_results
+from .kernels import register_op, at_least_fp32, INTERPRETING, KERNELS_CAN_RUN, relative_error, median_ms, ratio_interval, save_results
 from .kernels import rope_apply, rope_reference, rope_triton, rope_tables
 
 # %% ../nbs/02_attention.ipynb #d990e9b7

@@ -24,8 +24,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
-try: from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy, FSDPModule
-except ImportError: from torch.distributed._composable.fsdp import fully_shard, MixedPrecisionPolicy, FSDPModule
+try: from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+except ImportError: from torch.distributed._composable.fsdp import fully_shard, MixedPrecisionPolicy
 import rtrainer
 from .kernels import get_op, gradient_fp32, git_commit, main_grad_for_write, mark_main_grad_written
 from .optimizer import AdamW, parameter_kind

@@ -30,7 +30,7 @@ __all__ = ['OPS', 'PROJECT_ROOT', 'RESULTS_DIR', 'T_QUANTILE_975', 'INTERPRETING
            'kernel_knobs', 'parse_variants', 'add_sweep_arguments', 'knob_values', 'run_sweep']
 
 # %% ../nbs/01_kernels.ipynb #127953a0
-import datetime, json, math, os, platform, re, statistics, subprocess, sys, time, warnings
+import datetime, json, math, os, platform, statistics, subprocess, sys, time, warnings
 from contextlib import contextmanager
 from pathlib import Path
 import torch

@@ -13,13 +13,13 @@ __all__ = ['IGNORE_INDEX', 'GEMM_CONFIGS', 'INTERPRETER_GEMM_CONFIG', 'matmul_ke
            'gemm_shapes', 'benchmark_gemm', 'use_measured_gemm_backends', 'run_gemm_bench', 'benchmark_suite']
 
 # %% ../nbs/01a_matmul.ipynb #17212246
-import math, os, sys
+import math, sys
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from .kernels import (INTERPRETING, KERNELS_CAN_RUN, register_op, at_least_fp32, weight_grad_buffer, finish_weight_grad,
-                              median_ms, peak_bytes, save_results, load_results, show_results, machine_metadata, knob_values)
+                              median_ms, peak_bytes, save_results, load_results, show_results, knob_values)
 
 # %% ../nbs/01a_matmul.ipynb #0bd04b24
 IGNORE_INDEX = -100
@@ -232,7 +232,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     "Mean cross-entropy of hidden @ weight over the real vocabulary, in row chunks; gradients computed in forward."
     @staticmethod
     def forward(ctx, hidden, weight, targets, vocab_size, ignore_index, compute_gradients, write_main_grad):
-        N, VP = hidden.shape[0], weight.shape[1]
+        N = hidden.shape[0]
         inv_count = 1.0 / (targets != ignore_index).sum().float().reshape(1)   # stays on the device: no sync
         row_loss = torch.empty(N, dtype=torch.float32, device=hidden.device)
         dhidden = torch.empty_like(hidden) if compute_gradients else None
@@ -345,7 +345,7 @@ def benchmark_gemm(shapes, update_backend=True, device="cuda", dtype=torch.bfloa
         if update_backend: GEMM_BACKEND[(M, N, K)] = faster
         rows.append(dict(name=name, M=M, N=N, K=K, triton_tflops=tflops["triton"], cublas_tflops=tflops["cublas"],
                          ratio=tflops["triton"] / tflops["cublas"], faster=faster))
-        del a, b, out
+        a = b = out = None      # freed before the next shape's inputs (the lambdas hold the names)
     return rows
 
 def use_measured_gemm_backends(results=None):
@@ -407,7 +407,7 @@ def benchmark_suite(quick=False, chunk_rows=(), gemm_models=None):
         for arm, (fms, fpeak) in results.items():
             if arm.startswith("fused"):
                 ce_rows.append(dict(model=model, N=N, D=D, V=V, VP=VP, impl=f"{arm} / compile", ms=fms / cms, peak_mib=fpeak / cpeak))
-        del hidden, head, targets, compiled; torch.cuda.empty_cache()
+        hidden = head = targets = compiled = None; torch.cuda.empty_cache()   # the lambdas hold the names, not the tensors
     save_results("matmul", ce_rows, quick=quick)
     for r in ce_rows: print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
     gemm_rows = []

@@ -9,23 +9,22 @@ __all__ = ['PRESETS', 'REFERENCE_BATCH', 'OP_NAMES', 'round_up', 'ModelConfig', 
            'matmul_parameters', 'flops_per_token', 'Block', 'TransformerLm', 'naive_lm_loss', 'KVCache', 'generate']
 
 # %% ../nbs/05_model.ipynb #e606dcf1
-import dataclasses, json, math, os
-from dataclasses import dataclass, field, asdict
+import dataclasses, json, math
+from dataclasses import dataclass, asdict
 from pathlib import Path
 import torch
 from torch import nn
 from .kernels import get_op, resolve_impl, rope_tables, rms_norm_reference, rope_reference, swiglu_reference
-from .attention import attention_reference
 from .matmul import IGNORE_INDEX, use_measured_gemm_backends
 from .moe import MoeFeedForward
 from .optimizer import policy_dtype
 try:    # the Hopper attention kernels (02a) register themselves in attention.FAST_PATHS; without them the Triton ones run
-    from rtrainer import attention_hopper
+    from rtrainer import attention_hopper  # noqa: F401 (imported for its registration)
 except ImportError as e:
     import warnings
     warnings.warn(f"rtrainer: the Hopper attention kernels are unavailable ({e}); the Triton kernels run")
 try:    # the Hopper MoE GEMM (03a) registers itself in moe.FAST_PATHS; without it cuBLAS's bmm runs
-    from rtrainer import moe_hopper
+    from rtrainer import moe_hopper  # noqa: F401 (imported for its registration)
 except ImportError as e:
     import warnings
     warnings.warn(f"rtrainer: the Hopper MoE GEMM is unavailable ({e}); cuBLAS's bmm runs")

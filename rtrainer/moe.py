@@ -27,7 +27,7 @@ __all__ = ['GROUPED_GEMM_BLOCK_M', 'ROW_BLOCK', 'TMA_WGRAD_CONFIG', 'INTERPRET_T
            'accumulation_gradients', 'benchmark_arms', 'benchmark_suite']
 
 # %% ../nbs/03_moe.ipynb #d120d79d
-import functools, math, os, sys, time
+import functools, math, sys, time
 from dataclasses import dataclass
 from typing import NamedTuple
 import torch
@@ -36,9 +36,8 @@ import triton
 import triton.language as tl
 from .kernels import (INTERPRETING, KERNELS_CAN_RUN, register_op, get_op, resolve_impl, at_least_fp32, swiglu_reference,
                               swiglu_forward, SWIGLU_BLOCK, SWIGLU_NUM_WARPS, weight_grad_buffer, finish_weight_grad, start_gradient_step,
-                              gradient_fp32, median_ms, sustained_ms, peak_bytes, alternation, ratio_interval, save_results, show_results, knob_values,
+                              gradient_fp32, median_ms, sustained_ms, peak_bytes, alternation, ratio_interval, save_results, knob_values,
                               _program_count)
-from .matmul import linear_reference    # also registers the "linear" op used by the shared expert
 
 # %% ../nbs/03_moe.ipynb #4f695818
 class RouterLogits(torch.autograd.Function):

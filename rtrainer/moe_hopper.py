@@ -16,7 +16,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from .kernels import INTERPRETING, load_results
+from .kernels import INTERPRETING
 from .moe import FAST_PATHS
 from .attention_hopper import _block_layout, _is_sm90, _sm_count   # 02a's device facts and tile layouts, cached
 

@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 from .kernels import (get_op, register_op, resolve_impl, start_gradient_step, gradient_fp32,
-                              median_ms, save_results, show_results, machine_metadata, knob_values, alternation, ratio_interval,
-                              INTERPRETING, KERNELS_CAN_RUN)
+                              median_ms, save_results, knob_values, alternation, ratio_interval,
+                              INTERPRETING)
 
 # %% ../nbs/04_optimizer.ipynb #5903afa7
 PRECISIONS = ("bf16", "fp32")
@@ -175,10 +175,6 @@ class AdamW:
         if self.step_scalars is not None: s["step_scalars"] = self.step_scalars
         work = [(self.local(self.params[i]), g, *self.moments(i), self.decays[i]) for i, g in self.gradients()]
         get_op("adamw_update_all", self.impl)(work, s)
-
-    def local(self, p):
-        "The tensor the update writes for parameter `p`: `p` itself here; a sharded optimizer returns this rank's shard."
-        return p
 
     def set_step(self, n):
         "Set the number of updates taken (for a resume from weights without moments)."
@@ -561,7 +557,7 @@ def benchmark_suite(quick=False, save=True, rounds=3):
     copy_src = torch.randn(2 ** 28, device=device)                                       # 1 GiB
     copy_dst = torch.empty_like(copy_src)
     copy_gbps = 2 * copy_src.numel() * 4 / median_ms(lambda: copy_dst.copy_(copy_src)) / 1e6
-    del copy_src, copy_dst
+    copy_src = copy_dst = None      # freed (the lambda above holds the names, not the tensors)
     s = adamw_scalars(1e-6, 0.9, 0.999, 1e-8, 0.1, step=10)
 
     params = [torch.nn.Parameter(w[0], requires_grad=False) for w in work]

@@ -16,7 +16,7 @@ __all__ = ['PHASES', 'PROFILE_WARMUP_STEPS', 'CHART_ROWS', 'UNUSED_OUT_DIR', 'AR
            'add_versus_arguments', 'run_versus', 'add_sweep_arch_arguments', 'run_sweep_arch']
 
 # %% ../nbs/07_profiling.ipynb #973d0d1b
-import argparse, json, math, os, shlex, shutil, statistics, subprocess, sys, tempfile, time
+import json, math, os, shlex, shutil, subprocess, sys, tempfile, time
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.profiler import profile as torch_profile, ProfilerActivity, record_function
-from .kernels import (machine_metadata, save_results, show_results, load_results, git_commit, PROJECT_ROOT,
+from .kernels import (machine_metadata, save_results, PROJECT_ROOT,
                               ratio_interval, spread, alternation)   # the kernels chapter's paired statistics
 from .optimizer import policy_dtype, parameter_kind, TABLE_BUILDS
-from .model import ModelConfig, TransformerLm, model_config, PRESETS, REFERENCE_BATCH, parameter_counts, flops_per_token
+from .model import ModelConfig, model_config, REFERENCE_BATCH, parameter_counts
 from .training import (Trainer, TrainConfig, DATASHEET_PEAK_TFLOPS, device_peak_tflops, mfu, NonFiniteLoss, resolved,
                                GRAPH_WARMUP_STEPS)
 

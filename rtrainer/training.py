@@ -15,7 +15,7 @@ __all__ = ['BUNDLED_DATA', 'DEVICE_HELP', 'SWITCH', 'REFERENCE_LR', 'DEFAULT_LR'
            'run_train', 'add_eval_arguments', 'run_eval', 'add_generate_arguments', 'run_generate']
 
 # %% ../nbs/06_training.ipynb #9db08b8c
-import argparse, ctypes, dataclasses, json, math, os, re, statistics, sys, time
+import ctypes, dataclasses, json, math, os, re, statistics, sys, time
 from dataclasses import dataclass, asdict, field
 from pathlib import Path
 import numpy as np

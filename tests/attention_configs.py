@@ -140,7 +140,7 @@ def main():
                                  nominal_tflops=work / ms / 1e9, vs_best=best / ms))
             ranked = sorted((r for r in rows if r["shape"] == shape and r["kernel"] == kernel), key=lambda r: r["ms"])
             print(f"{shape} hd{hd} {kernel}: " + ", ".join(f"{r['config']} {r['ms']:.3f}" for r in ranked[:5]), flush=True)
-        del t
+        t = None   # freed (the lambdas hold the name)
         torch.cuda.empty_cache()
     payload = dict(date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), device=torch.cuda.get_device_name(), torch=torch.__version__,
                    triton=__import__("triton").__version__, rounds=ROUNDS, rows=rows, checks=checks,

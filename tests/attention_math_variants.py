@@ -239,7 +239,7 @@ def cpu_check():
         e = errors(q, k_rising, v, do, lambda q, k, v, o, lse: lazy_forward(q, k, v, o, lse, config=cfg_f),
                    lambda *a: atomic_backward(*a, config=cfg_b), ref)
         worst = max(worst, *e.values())
-        print(f"  rising keys, lazy + atomic: " + " ".join(f"{n} {x:.1e}" for n, x in e.items()))
+        print("  rising keys, lazy + atomic: " + " ".join(f"{n} {x:.1e}" for n, x in e.items()))
     print(f"worst relative error {worst:.1e}")
     if worst > 1e-4: sys.exit("cpu check FAILED")
 
@@ -336,7 +336,7 @@ def gpu_main():
                                          vs_cudnn=statistics.median(st["cudnn"]) / statistics.median(runs)))
         payload["steps"][-1]["round_ratios"] = ratios
         print(f"timed {label} at {elapsed():.0f} s", flush=True)
-        del q, k, v, do, qg, kg, vg, out
+        q = k = v = do = qg = kg = vg = out = None   # freed (the lambdas hold the names)
         save(payload)
 
     for row in payload["checks"]:

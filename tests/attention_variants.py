@@ -285,7 +285,7 @@ def gpu_main():
             print(f"  {name:26s} " + (f"o {row['o_err']:.2e} lse {row['lse_err']:.2e} max-rel {row['o_max_rel']:.2e}"
                   if "o_err" in row else "") + ("" if row["ok"] else f"  FAILED {row['error']}") +
                   f"  [{row.get('compile_and_check_s', 0)} s, at {elapsed():.0f} s]", flush=True)
-        del q, k, v, ref_o, ref_lse
+        q = k = v = ref_o = ref_lse = None   # freed (the lambdas hold the names)
         save(payload)
 
     # ---- timing: forward only, arms alternating over rounds, median of the per-round medians
@@ -321,7 +321,7 @@ def gpu_main():
             payload["timings"].append(dict(variant=name, shape=label, B=B, H=H, KV=KV, T=T, hd=hd, ms=ms, rounds_ms=runs,
                                            tflops=flops / ms / 1e9, vs_ref=ref_ms / ms, ref=ref_name))
         print(f"timed {label} ({len(arms)} arms) at {elapsed():.0f} s", flush=True)
-        del q, k, v
+        q = k = v = None   # freed (the lambdas hold the names)
         save(payload)
 
     # ---- summary: failures, then the table

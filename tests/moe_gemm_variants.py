@@ -147,7 +147,7 @@ def build(which, dev="cuda"):
     bf = dict(device=dev, dtype=torch.bfloat16)
     starts = torch.arange(E, device=dev, dtype=torch.int32) * C
     ends = starts + C
-    base, width = which.split()[0], {"gate_up": (D, 2 * FF), "down": (FF, D)}[which.split()[0]]
+    width = {"gate_up": (D, 2 * FF), "down": (FF, D)}[which.split()[0]]
     K_in, N_out = width                                   # the forward GEMM: (rows, K_in) @ (K_in, N_out)
     w = (torch.randn(E, K_in, N_out, device=dev) / K_in ** 0.5).to(torch.bfloat16)
     arms, baseline = {}, {}

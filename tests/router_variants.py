@@ -21,7 +21,7 @@ in registers across a chunk of CH rows (FFMA chains over the rows); the W warps'
 program writes one (256, E) partial; a second small kernel adds the chunks' partials in chunk order (deterministic,
 no atomics).
 """
-import argparse, json, math, os, sys, time
+import argparse, json, os, sys, time
 
 _args = None
 if __name__ == "__main__":

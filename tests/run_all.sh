@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's test command (make test): notebooks and package in sync, every chapter notebook
+# The README's test command (make test): lint, notebooks and package in sync, every chapter notebook
 # executed by nbdev-test with Triton's interpreter, then pytest. Last line: "N passed, N failed".
 set -u
 cd "$(dirname "$0")/.."
@@ -14,6 +14,13 @@ export TRITON_INTERPRET=1 PYTHONUNBUFFERED=1
 passed=0; failed=0
 
 snapshot() { find nbs rtrainer -type f \( -name '*.ipynb' -o -name '*.py' \) -not -path '*/__pycache__/*' -print0 | sort -z | xargs -0 md5sum | md5sum; }
+
+echo "== lint (ruff check: notebooks, package, tests, experiments; rules in pyproject.toml)"
+if "$BIN/ruff" check --quiet --output-format concise >"$LOGS/ruff.log" 2>&1; then
+  echo "ok"; passed=$((passed+1))
+else
+  echo "FAIL: ruff found:"; cat "$LOGS/ruff.log"; failed=$((failed+1))
+fi
 
 echo "== notebooks and package in sync (nbdev-clean, nbdev-export leave no diff)"
 before=$(snapshot)

@@ -1,9 +1,7 @@
 """Flash attention parity on the CPU through Triton's interpreter: fp32/fp16, odd lengths, with and without GQA."""
-import os
 import pytest
 import torch
 
-if not torch.cuda.is_available(): os.environ.setdefault("TRITON_INTERPRET", "1")   # before any triton.jit is defined
 from rtrainer import attention
 from rtrainer.attention import attention_parity_errors, flash_attention, attention_reference, fused_qkv_views
 from rtrainer.kernels import get_op
@@ -109,7 +107,7 @@ def test_rope_attention_registration_and_bad_shape():
 
 def test_backward_writes_into_strided_views_and_checks_them():
     "dq, dk, dv may be slices of one buffer (unit stride in the last dim); dk and dv must share strides."
-    from rtrainer.attention import flash_attention_forward, flash_attention_backward, flash_backward_dkdv
+    from rtrainer.attention import flash_attention_forward, flash_attention_backward
     B, T, H, KV, hd = 1, 9, 4, 2, 16
     q, k, v = fused_qkv_views(B, T, H, KV, hd)
     do = torch.randn(B, T, H, hd)

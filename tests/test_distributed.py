@@ -1,13 +1,13 @@
 """The distributed trainer on CPU with gloo: 2 ranks at B/2 against 1 at B, resharding checkpoints, a killed rank.
 
 Every multi-process run goes through torchrun (`python -m torch.distributed.run --standalone`) with a timeout."""
-import json, os, subprocess, sys, time
+import json, subprocess, time
 from pathlib import Path
 import pytest
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 import torch
 from safetensors.torch import load_file
-from rtrainer.distributed import torchrun_command, worker_environment, strip_nproc, export_checkpoint, MULTICAST_OFF
+from rtrainer.distributed import torchrun_command, worker_environment, strip_nproc, export_checkpoint
 from rtrainer.training import read_checkpoint
 
 STEPS = 20

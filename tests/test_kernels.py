@@ -180,3 +180,53 @@ def test_enqueue_ms_times_the_host_between_two_synchronizations(monkeypatch):
     ms = K.enqueue_ms(call, calls=5)
     assert len(order) == 5 and syncs == [0, 5]
     assert 3.5 < ms < 40
+
+
+class SimulatedGPU:
+    """A stand-in for torch.cuda with a clock: each launch runs after the previous one and never before the host enqueued
+    it, events stamp the moment the device reaches them, `_sleep` spins. Host time is real (time.sleep)."""
+    CYCLES_PER_MS = 1_000_000
+
+    def __init__(self): self.busy_until = self.now()
+    @staticmethod
+    def now(): import time; return time.perf_counter() * 1e3
+    def run(self, ms): self.busy_until = max(self.busy_until, self.now()) + ms
+    def synchronize(self, *a):
+        import time; time.sleep(max(0.0, self.busy_until - self.now()) / 1e3)
+    def _sleep(self, cycles): self.run(cycles / self.CYCLES_PER_MS)
+    def Event(self, enable_timing=False):
+        gpu = self
+        class Event:
+            def record(self): self.at = max(gpu.busy_until, gpu.now())
+            def synchronize(self): gpu.synchronize()
+            def elapsed_time(self, end): return end.at - self.at
+        return Event()
+
+    def install(self, monkeypatch):
+        for name in ("synchronize", "_sleep", "Event"): monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(K, "_spin_cycles_per_ms", {0: self.CYCLES_PER_MS})
+        return self
+
+    def call(self, host_ms, device_ms):
+        "A call that takes host_ms on the host to enqueue device_ms of work."
+        import time
+        def fn(): time.sleep(host_ms / 1e3); self.run(device_ms)
+        return fn
+
+
+@pytest.mark.parametrize("host_ms,device_ms", [(0.05, 1.0), (2.0, 0.5)])
+def test_median_ms_times_the_device_not_the_host(monkeypatch, host_ms, device_ms):
+    "A host slower than the device (2 ms to enqueue 0.5 ms of work) must not show in median_ms: the spin hides it."
+    gpu = SimulatedGPU().install(monkeypatch)
+    ms = K.median_ms(gpu.call(host_ms, device_ms), warmup_ms=5, rep_ms=20)
+    assert 0.9 * device_ms < ms < 1.25 * device_ms, (ms, host_ms, device_ms)
+
+
+@pytest.mark.parametrize("host_ms,device_ms", [(0.05, 1.0), (2.0, 0.5)])
+def test_sustained_ms_times_calls_back_to_back(monkeypatch, host_ms, device_ms):
+    "Back to back with no spin: the device's time per call, or the host's where the host is the slower (it shows)."
+    gpu = SimulatedGPU().install(monkeypatch)
+    ms = K.sustained_ms(gpu.call(host_ms, device_ms), seconds=0.1, warmup_ms=5)
+    expected = max(host_ms, device_ms)
+    assert 0.9 * expected < ms < 1.6 * expected, (ms, host_ms, device_ms)

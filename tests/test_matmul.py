@@ -1,6 +1,4 @@
 "CPU tests of rtrainer.matmul: Triton kernels through the interpreter (fp32/fp16 operands), against float64."
-import os
-os.environ.setdefault("TRITON_INTERPRET", "1")   # before any Triton kernel is defined
 import types
 import pytest, torch
 import torch.nn.functional as F

@@ -1,5 +1,5 @@
 "Model chapter: reference ops under float64 gradcheck, config validation and JSON, generation."
-import math, json
+import json
 import pytest, torch
 from rtrainer.kernels import rms_norm_reference, add_rms_norm_reference, rope_reference, rope_tables, swiglu_reference
 from rtrainer.attention import attention_reference

@@ -1,7 +1,5 @@
 "CPU tests of the Hopper MoE GEMM's host side (03a): registration, refusals and the fallback to bmm; its kernel runs only on a GPU."
-import os
 import torch
-if not torch.cuda.is_available(): os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import rtrainer.moe as moe
 from rtrainer import moe_hopper

@@ -1,10 +1,9 @@
 "Optimizer chapter: precision policy, AdamW against float64, clipping, schedules, state, and the fused kernel in Triton's interpreter."
-import json, math, os
+import json, math
 import torch
-if not torch.cuda.is_available(): os.environ.setdefault("TRITON_INTERPRET", "1")   # before any triton.jit is defined
 import pytest
 import rtrainer.optimizer as optimizer_module
-from rtrainer.kernels import accumulate_main_grad, start_gradient_step
+from rtrainer.kernels import accumulate_main_grad
 from rtrainer.optimizer import (AdamW, adamw_scalars, adamw_update_all_reference, apply_precision_policy, clip_coefficient,
                                 clip_grad_norm, constant, fused_adamw_update, fused_grad_norm, kernels_can_run, parameter_kind,
                                 policy_dtype, random_adamw_work, warmup_cosine)

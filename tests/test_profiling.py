@@ -1,6 +1,5 @@
 "Tests of the profiling chapter (CPU): profiler phases, the paired interval, the baseline's accounting, versus and ab."
-import json, math, statistics, tempfile
-from pathlib import Path
+import json, math
 import pytest, torch
 from rtrainer.model import model_config, parameter_counts, TransformerLm
 from rtrainer.training import NonFiniteLoss

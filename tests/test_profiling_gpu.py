@@ -28,5 +28,6 @@ def test_baseline_arms_run_and_record_graphs():
 def test_versus_one_round_in_processes():
     rows, raw = versus("tiny", tiers=("default", "reduce-overhead"), rounds=2, steps=3, warmup=3, batch_size=8, seq_len=128, save=False)
     by = {r["arm"]: r for r in rows}
+    assert all(r.get("tokens_per_s") for r in rows), [(r["arm"], r.get("status")) for r in rows]
     assert by["rtrainer"]["tokens_per_s"] > 0 and by["default"]["tokens_per_s"] > 0 and math.isfinite(by["default"]["rtrainer/arm"])
     assert by["default"]["cuda_graphs"] == 0 and by["reduce-overhead"]["cuda_graphs"] > 0, (by["default"], by["reduce-overhead"])

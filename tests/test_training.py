@@ -1,6 +1,5 @@
 "Training chapter: checkpoints, resume, init-from, non-finite stops, SFT, and the commands' errors."
-import json, hashlib, os, subprocess, sys
-from pathlib import Path
+import json, hashlib, subprocess, sys
 import pytest, torch
 from rtrainer import training
 from rtrainer.cli import main
