@@ -8,6 +8,7 @@ OUT=${OUT:-/tmp/rtrainer-gpu}; mkdir -p "$OUT"
 # Compile caches in the tree (git-ignored): a call that carries .gpu_cache (device tool: carry [".gpu_cache"]) starts warm;
 # stage save-cache packs them into $OUT for the next call.
 CACHE=$PWD/.gpu_cache; mkdir -p "$CACHE"
+if ls .gpu_cache_parts/gpu_cache.tgz.part-* >/dev/null 2>&1; then cat .gpu_cache_parts/gpu_cache.tgz.part-* | tar xzf - -C "$CACHE"; fi   # carried parts
 export TRITON_CACHE_DIR=$CACHE/triton TORCHINDUCTOR_CACHE_DIR=$CACHE/inductor
 LOGS=$(mktemp -d /tmp/rtrainer-logs.XXXX)   # stage logs; they come back as $OUT/logs.tgz (the device returns at most 8 files)
 SUMMARY=$LOGS/summary.txt; : > "$SUMMARY"
@@ -29,7 +30,7 @@ RT="$PY -m rtrainer"
 
 for s in "$@"; do case $s in
   gpu-tests) stage gpu_tests ${TESTS_LIMIT:-590} $PY tests/gpu_tests.py ${TESTS_K:+-k "$TESTS_K"} ;;   # every -m cuda test, recorded in data/results/gpu_tests.json (pass or fail)
-  save-cache) tar czf "$OUT/gpu_cache.tgz" -C "$CACHE" . ; ls -la "$OUT/gpu_cache.tgz" ;;   # the compile caches, for the next call: unpack into .gpu_cache
+  save-cache) tar czf - -C "$CACHE" . | split -b 15m - "$OUT/gpu_cache.tgz.part-"; ls -la "$OUT"/gpu_cache.tgz.part-* ;;   # the compile caches in 15 MB parts (the device returns files of 16 MB at most): cat them into tar xz -C .gpu_cache
   env)       stage env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,temperature.gpu --format=csv; $PY -c 'import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())'; $PY -m rtrainer doctor" ;;
   parity-*)  f=${s#parity-}; stage "parity_$f" "${PARITY_LIMIT:-150}" $PY -m pytest -m cuda -v -p no:cacheprovider -o addopts="" --timeout 140 --durations=8 "tests/test_${f}_gpu.py" ;;
   train)     stage train ${TRAIN_LIMIT:-300} $PY tests/gpu_train_bench.py --arms rb100m:32:torch,rb100m:32:triton,dense1b:16:torch,dense1b:16:triton --rounds ${ROUNDS:-2} --steps ${STEPS:-12} --name training_throughput ;;
