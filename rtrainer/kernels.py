@@ -15,9 +15,9 @@ __all__ = ['OPS', 'PROJECT_ROOT', 'RESULTS_DIR', 'T_QUANTILE_975', 'INTERPRETING
            'rope_reference', 'swiglu_reference', 'embedding_reference', 'start_gradient_step', 'main_grad_for_write',
            'mark_main_grad_written', 'weight_grad_buffer', 'finish_weight_grad', 'accumulate_main_grad',
            'gradient_fp32', 'enqueue_ms', 'median_ms', 'sustained_ms', 'peak_bytes', 'git_commit', 'machine_metadata',
-           'save_results', 'load_results', 'show_results', 't_quantile_975', 'ratio_interval', 'spread', 'alternation',
-           'check_kernel_device', 'vecadd_kernel', 'vecadd', 'relative_error', 'check_close', 'time_ms',
-           'benchmark_row', 'bench_vecadd', 'rms_norm_forward_kernel', 'rms_norm_backward_kernel', 'as_rows',
+           'save_results', 'load_results', 'results_caption', 'show_results', 't_quantile_975', 'ratio_interval',
+           'spread', 'alternation', 'check_kernel_device', 'vecadd_kernel', 'vecadd', 'relative_error', 'check_close',
+           'time_ms', 'benchmark_row', 'bench_vecadd', 'rms_norm_forward_kernel', 'rms_norm_backward_kernel', 'as_rows',
            'resident_programs', 'rms_norm_forward', 'rms_norm_backward', 'RMSNormFunction', 'AddRMSNormFunction',
            'rms_norm_triton', 'add_rms_norm_triton', 'register_op_example', 'run_op_with_grads', 'check_op',
            'rope_kernel', 'rope_apply', 'RoPEFunction', 'rope_triton', 'swiglu_forward_kernel',
@@ -274,6 +274,13 @@ def load_results(name):
     "The recorded results NAME, or None if they were never measured."
     path = RESULTS_DIR / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
+
+def results_caption(res):
+    "Where and when recorded results were measured, in one line (for a table's or a figure's caption): GPU, versions, date, commit."
+    if isinstance(res, str): res = load_results(res)
+    if res is None: return "not measured yet"
+    return (f"{res.get('device', 'unknown device')} · torch {res.get('torch')} · Triton {res.get('triton')} · "
+            f"{str(res.get('date', ''))[:10]} · commit {res.get('commit')}")
 
 def show_results(name, columns=None):
     "Print a recorded results table (or say it was not measured yet)."
