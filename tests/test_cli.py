@@ -2,6 +2,7 @@
 import json, subprocess, sys
 import pytest
 from rtrainer.cli import main, build_parser
+import processes
 
 RTRAINER = [sys.executable, "-m", "rtrainer"]
 
@@ -25,9 +26,9 @@ def test_nproc_must_be_positive(capsys):
 
 def test_train_on_two_processes_through_torchrun(tmp_path):
     out = tmp_path / "np2"
-    r = subprocess.run([*RTRAINER, "train", "--nproc", "2", "--data", "synthetic", "--steps", "2", "--log-every", "1",
+    r = processes.run([*RTRAINER, "train", "--nproc", "2", "--data", "synthetic", "--steps", "2", "--log-every", "1",
                         "--batch-size", "2", "--seq-len", "16", "--vocab-size", "512", "--device", "cpu", "--no-progress",
-                        "--no-checkpoints", "--out-dir", str(out)], capture_output=True, text=True, timeout=300)
+                        "--no-checkpoints", "--out-dir", str(out)], timeout=300)   # its torchrun workers end with it
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["world_size"] for row in rows if "loss" in row] == [2, 2]

@@ -1,7 +1,7 @@
 """The distributed trainer on CPU with gloo: 2 ranks at B/2 against 1 at B, resharding checkpoints, a killed rank.
 
 Every multi-process run goes through torchrun (`python -m torch.distributed.run --standalone`) with a timeout."""
-import json, subprocess, time
+import json, time
 from pathlib import Path
 import pytest
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 from rtrainer.distributed import torchrun_command, worker_environment, strip_nproc, export_checkpoint
 from rtrainer.training import read_checkpoint
+import processes
 
 STEPS = 20
 COMMON = ["tiny", "--data", "synthetic", "--vocab-size", "512", "--seq-len", "32", "--steps", str(STEPS), "--log-every", "1",
@@ -17,17 +18,20 @@ ENV = {"RTRAINER_DIST_TIMEOUT": "20", "OMP_NUM_THREADS": "1"}
 INTERPRET, KERNEL_STEPS = {"TRITON_INTERPRET": "1"}, 3
 
 def start(nproc, flags, env=None):
-    "Popen of `python -m rtrainer.distributed train FLAGS` on nproc gloo ranks."
+    "`python -m rtrainer.distributed train FLAGS` on nproc gloo ranks, in a process group of its own (see processes.py)."
     cmd = torchrun_command(nproc, ["train", *flags], module="rtrainer.distributed")
-    return subprocess.Popen(cmd, env={**worker_environment(), **ENV, **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return processes.start(cmd, env={**worker_environment(), **ENV, **(env or {})})
 
-def finish(proc, timeout=240):
-    try: out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill(); out, _ = proc.communicate()
-        raise AssertionError(f"torchrun run did not finish in {timeout} s:\n{out[-3000:]}")
-    return proc.returncode, out
+def finish(proc, timeout=240): return processes.finish(proc, timeout)
+
+def finish_all(procs, what="run"):
+    "Finish every started run, then fail on the first that failed; none is left running when one fails or times out."
+    try:
+        results = {name: finish(p) for name, p in procs.items()}
+    finally:
+        for p in procs.values(): processes.end_tree(p, grace_s=1)   # only those still running: after a failure
+    for name, (rc, out) in results.items(): assert rc == 0, f"{name} {what} failed:\n{out[-3000:]}"
+    return results
 
 def metrics(out_dir): return [r for r in map(json.loads, open(Path(out_dir) / "metrics.jsonl")) if "loss" in r]
 
@@ -46,9 +50,7 @@ def runs(tmp_path_factory):
                                   INTERPRET),
              "kernels-fsdp": start(2, COMMON + kernels + ["--dp", "fsdp", "--batch-size", "4", "--out-dir", str(root / "kernels-fsdp")],
                                    INTERPRET)}
-    for name, p in procs.items():
-        rc, out = finish(p)
-        assert rc == 0, f"{name} run failed:\n{out[-3000:]}"
+    finish_all(procs)
     return root
 
 def compare(a, b, what):
@@ -122,10 +124,7 @@ def reloaded(runs):
         flags = COMMON[:COMMON.index("--steps")] + ["--steps", "10"] + COMMON[COMMON.index("--steps") + 2:]
         procs[src] = start(nproc, flags + ["--batch-size", batch, "--resume", str(runs / src / "checkpoints" / "step-00000010.json"),
                                            "--out-dir", str(runs / f"{src}-reloaded")])
-    for name, p in procs.items():
-        rc, out = finish(p)
-        assert rc == 0, f"reload of {name} failed:\n{out[-3000:]}"
-        assert "saved on" in out
+    for name, (rc, out) in finish_all(procs, "reload").items(): assert "saved on" in out, name
     return runs
 
 @pytest.mark.parametrize("src,label", [("two", "2 ranks -> 1"), ("one", "1 rank -> 2")])
@@ -210,3 +209,22 @@ def test_the_distributed_trainer_takes_eager_steps(tmp_path):
         with pytest.raises(ValueError, match="runs in one process"):
             DistributedTrainer(cfg("on"), model_config("tiny", vocab_size=512), dp="ddp", log=lambda *a: None)
     finally: dist.destroy_process_group()
+
+def test_a_timed_out_run_leaves_no_rank_behind(tmp_path):
+    "A run past its time limit is ended with every rank it started (torchrun starts each rank in a session of its own)."
+    p = start(2, COMMON + ["--steps", "100000", "--batch-size", "4", "--out-dir", str(tmp_path / "long")])
+    deadline = time.time() + 60
+    while time.time() < deadline and len(ranks_below(p.pid)) < 2: time.sleep(0.5)   # both ranks started
+    ranks = ranks_below(p.pid)
+    assert len(ranks) == 2, ranks
+    t0 = time.perf_counter()
+    with pytest.raises(AssertionError, match="did not finish"): finish(p, timeout=1)
+    waited = time.perf_counter() - t0    # killing the launcher alone, the test waited on the ranks' output until they ended
+    time.sleep(1)
+    alive = [pid for pid in ranks if processes.running(pid)]
+    assert not alive and waited < 20, f"ranks still running after their run timed out: {alive}; waited {waited:.0f} s"
+
+def ranks_below(pid):
+    "Pids of the rank processes (python -m rtrainer.distributed ...) that torchrun `pid` started."
+    return [c for c in processes.descendants(pid) if b"rtrainer.distributed" in open(f"/proc/{c}/cmdline", "rb").read()
+            and b"torch.distributed.run" not in open(f"/proc/{c}/cmdline", "rb").read()]

@@ -1,10 +1,11 @@
 "Distributed chapter on GPUs (run with -m cuda): FSDP2 at world size 1 against the plain trainer, 2 GPUs against 1, resharding on NCCL."
-import json, subprocess, sys
+import json, sys
 from pathlib import Path
 import pytest
 import torch
 from rtrainer.distributed import torchrun_command, worker_environment, export_checkpoint
 from rtrainer.training import read_checkpoint
+import processes
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -13,7 +14,7 @@ FLAGS = ["tiny", "--data", "synthetic", "--seq-len", "128", "--steps", "10", "--
          "--no-progress", "--checkpoint-every", "5"]
 
 def run(cmd, timeout=600):
-    done = subprocess.run(cmd, env={**worker_environment(), "RTRAINER_DIST_TIMEOUT": "60"}, capture_output=True, text=True, timeout=timeout)
+    done = processes.run(cmd, timeout, env={**worker_environment(), "RTRAINER_DIST_TIMEOUT": "60"})   # its workers end with it
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return done
 
