@@ -128,8 +128,10 @@ def model_config(name_or_path, **overrides):
     if name_or_path in PRESETS: d = dict(PRESETS[name_or_path])
     elif str(name_or_path).endswith(".json") or Path(name_or_path).exists(): d = ModelConfig.load(name_or_path).to_dict()
     else: raise ValueError(f"unknown model config {name_or_path!r}: use one of {sorted(PRESETS)} or a JSON file")
-    d.update({k: v for k, v in overrides.items() if v is not None})
-    if "vocab_size" in overrides and "padded_vocab_size" not in overrides: d["padded_vocab_size"] = 0
+    given = {k: v for k, v in overrides.items() if v is not None}      # an unset flag arrives as None: not an override
+    if given.get("vocab_size", d["vocab_size"]) != d["vocab_size"] and "padded_vocab_size" not in given:
+        d["padded_vocab_size"] = 0                                     # another vocabulary: pad it afresh
+    d.update(given)
     return ModelConfig.from_dict(d).validate()
 
 # %% ../nbs/05_model.ipynb #52909379

@@ -4,7 +4,7 @@ import pytest, torch
 from rtrainer.kernels import rms_norm_reference, add_rms_norm_reference, rope_reference, rope_tables, swiglu_reference
 from rtrainer.attention import attention_reference
 from rtrainer.matmul import linear_cross_entropy_reference
-from rtrainer.model import ModelConfig, TransformerLm, model_config, parameter_counts, flops_per_token, naive_lm_loss, generate
+from rtrainer.model import ModelConfig, TransformerLm, model_config, parameter_counts, flops_per_token, naive_lm_loss, generate, PRESETS
 
 
 def dbl(*shape): return torch.randn(*shape, dtype=torch.float64, requires_grad=True)
@@ -94,3 +94,37 @@ def test_sequence_longer_than_max_is_refused():
     m = TransformerLm(model_config("tiny", max_seq_len=8, impl="torch"), device="cpu")
     ids = torch.randint(0, 100, (1, 10))
     with pytest.raises(ValueError, match="max_seq_len"): m(ids[:, :-1], ids[:, 1:])
+
+
+class Built(BaseException):
+    "Raised in place of building a model: carries the config an entry point resolved (no multi-GB model on a CPU)."
+
+
+@pytest.mark.parametrize("preset", ["rb100m", "prof183m", "dense1b", "moe4b"])
+def test_every_entry_point_builds_the_preset_as_specified(preset, monkeypatch, tmp_path):
+    """`train`, `profile`, `versus`, `sweep-arch` and the Python API resolve one configuration per preset: the same shapes
+    and parameter count (an unset --vocab-size used to reset the preset's lm-head padding, 50,432 -> 50,304)."""
+    from rtrainer import model as model_module, profiling
+    from rtrainer.cli import build_parser
+    from rtrainer.training import run_train
+    def capture(self, cfg, *a, **k): raise Built(cfg)
+    monkeypatch.setattr(model_module.TransformerLm, "__init__", capture)
+    monkeypatch.setattr(profiling.PlainTransformer, "__init__", capture)
+    def built(call):
+        with pytest.raises(Built) as e: call()
+        return e.value.args[0]
+    parse = build_parser().parse_args
+    configs = {
+        "api": model_config(preset),
+        "train": built(lambda: run_train(parse(["train", preset, "--data", "synthetic", "--device", "cpu", "--out-dir", str(tmp_path)]))),
+        "profile": built(lambda: profiling._profile_report(parse(["profile", "--config", preset]))),
+        "versus": built(lambda: profiling.versus(preset, tiers=("eager",), rounds=1, steps=1, warmup=0, save=False, isolate=False, log=lambda *a: None)),
+        "sweep-arch": built(lambda: profiling.sweep_arch(preset, isolate=False, log=lambda *a: None)),
+    }
+    expected = {"rb100m": None, "prof183m": None, "dense1b": None, "moe4b": 4_386_551_808}[preset]
+    shape = lambda c: {k: v for k, v in c.to_dict().items() if k not in ("impl", "max_seq_len")}
+    for entry, c in configs.items():
+        assert shape(c) == shape(configs["api"]), (entry, shape(c))
+        assert parameter_counts(c)["total"] == parameter_counts(configs["api"])["total"], entry
+    assert configs["api"].padded_vocab_size == PRESETS[preset].get("padded_vocab_size", configs["api"].padded_vocab_size)
+    if expected: assert parameter_counts(configs["api"])["total"] == expected
