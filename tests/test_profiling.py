@@ -157,7 +157,7 @@ def test_versus_interrupted_keeps_the_finished_arms(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt): versus("tiny", tiers=("eager",), rounds=3, isolate=False, log=lambda *a: None)
     assert (tmp_path / "versus_tiny.json").read_text() == "complete"
     saved = json.loads((tmp_path / "versus_tiny_interrupted.json").read_text())
-    assert saved["interrupted"] == "interrupted in round 2 of 3"
+    assert saved["interrupted"] == "interrupted at B=8 in round 2 of 3"
     by = {r["arm"]: r for r in saved["rows"]}
     assert by["rtrainer"]["rounds"] == by["eager"]["rounds"] == 1
     first_eager = 100.0 / next(r["tokens_per_s"] for r in saved["raw"]["eager"])
@@ -191,3 +191,48 @@ def test_ab_passes_train_flags_to_both_arms(monkeypatch):
     p = argparse.ArgumentParser(); profiling.add_ab_arguments(p)
     assert profiling.run_ab(p.parse_args(["--train-flags", "--no-cuda-graph --lr '3e-4'"])) == 0
     assert seen["extra"] == ["--no-cuda-graph", "--lr", "3e-4"]
+
+
+def test_autocast_tier_runs_under_its_own_policy():
+    "The stock tier (fp32 masters, autocast, torch's AdamW): a number, and a census that says what it holds."
+    res = run_arm(dict(arm="autocast-eager", config="tiny", overrides=dict(vocab_size=SMALL_VOCAB), batch_size=2, seq_len=16, warmup=1, steps=2))
+    print(res.get("status"), res["census"])
+    assert res["tokens_per_s"] > 0 and res["census"]["violations"] == []
+    assert set(res["census"]["params"]) == set(res["census"]["grads"]) == set(res["census"]["moments"]) == {"float32"}
+
+
+def test_an_arm_off_its_precision_policy_is_refused(monkeypatch):
+    "Masters (or gradients, or moments) that are not the arm's policy: the arm reports no throughput, and says why."
+    import rtrainer.profiling as prof
+    real_init = prof.PlainTransformer.__init__
+    def bf16_masters(self, c, precision="bf16", device=None): real_init(self, c, "bf16", device)   # the CPU's policy is fp32
+    monkeypatch.setattr(prof.PlainTransformer, "__init__", bf16_masters)
+    res = run_arm(dict(arm="eager", config="tiny", overrides=dict(vocab_size=SMALL_VOCAB), batch_size=2, seq_len=16, warmup=1, steps=1))
+    print(res["status"])
+    assert "tokens_per_s" not in res and res["status"].startswith("refused") and "bfloat16" in res["status"]
+    assert dtype_census(TransformerLm(model_config("tiny", vocab_size=SMALL_VOCAB)), masters="fp32")["violations"] == []
+    bad = TransformerLm(model_config("tiny", vocab_size=SMALL_VOCAB)).half()
+    assert any("float16" in v for v in dtype_census(bad, masters="fp32")["violations"])
+
+
+def test_versus_batches_keeps_an_out_of_memory_row(tmp_path, monkeypatch):
+    "`rtrainer versus --batches 2,4`: one comparison per batch size, saved together; an arm out of memory is a row that says so."
+    import argparse
+    import rtrainer.profiling as prof, rtrainer.kernels as kernels
+    monkeypatch.setattr(kernels, "RESULTS_DIR", tmp_path)
+    real_plain = prof._plain_arm
+    def plain(spec, mcfg, device):
+        if spec["batch_size"] == 4: raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.14 GiB")
+        return real_plain(spec, mcfg, device)
+    monkeypatch.setattr(prof, "_plain_arm", plain)
+    monkeypatch.setattr(prof, "run_arm_process", lambda spec, timeout=None: prof.run_arm({**spec, "overrides": dict(vocab_size=SMALL_VOCAB)}))
+    p = argparse.ArgumentParser(); prof.add_versus_arguments(p)
+    args = p.parse_args(["--config", "tiny", "--tiers", "eager", "--rounds", "1", "--steps", "1", "--warmup", "1", "--seq-len", "16", "--batches", "2,4"])
+    assert prof.run_versus(args) == 0
+    rows = json.loads((tmp_path / "versus_tiny.json").read_text())["rows"]
+    by = {(r["batch_size"], r["arm"]): r for r in rows}
+    assert set(by) == {(2, "rtrainer"), (2, "eager"), (4, "rtrainer"), (4, "eager")}
+    assert by[(2, "eager")]["tokens_per_s"] > 0 and by[(4, "rtrainer")]["tokens_per_s"] > 0
+    assert by[(4, "eager")]["status"] == "out of memory" and "tokens_per_s" not in by[(4, "eager")]
+    for bad in (["--batches", "16,x"], ["--batches", "0"], ["--batches", "16", "--batch-size", "8"]):
+        with pytest.raises(ValueError, match="--batch"): prof.run_versus(p.parse_args(["--config", "tiny", *bad]))
