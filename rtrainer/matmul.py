@@ -28,8 +28,10 @@ def linear_reference(x, weight):
     "x (..., in) @ weight (in, out)."
     return x @ weight
 
-def linear_cross_entropy_reference(hidden, weight, targets, vocab_size, ignore_index=IGNORE_INDEX):
-    "Mean cross-entropy of fp32 logits hidden (N, D) @ weight (D, VP)[:, :vocab_size] at targets (N,)."
+def linear_cross_entropy_reference(hidden, weight, targets, vocab_size, ignore_index=IGNORE_INDEX, weight_transposed=False):
+    """Mean cross-entropy of fp32 logits hidden (N, D) @ weight (D, VP)[:, :vocab_size] at targets (N,).
+    weight_transposed: weight is given as (VP, D), an embedding table tied to the classifier."""
+    if weight_transposed: weight = weight.t()
     logits = at_least_fp32(hidden @ weight[:, :vocab_size])   # multiply by the real columns only: no padded logits to copy
     return F.cross_entropy(logits, targets, ignore_index=ignore_index)
 
@@ -231,8 +233,9 @@ def cross_entropy_rows(logits, targets, row_loss, inv_count, vocab_size, ignore_
 class FusedLinearCrossEntropy(torch.autograd.Function):
     "Mean cross-entropy of hidden @ weight over the real vocabulary, in row chunks; gradients computed in forward."
     @staticmethod
-    def forward(ctx, hidden, weight, targets, vocab_size, ignore_index, compute_gradients, write_main_grad):
+    def forward(ctx, hidden, weight, targets, vocab_size, ignore_index, compute_gradients, write_main_grad, transposed):
         N = hidden.shape[0]
+        head = weight.t() if transposed else weight                                 # (D, VP): a tied (VP, D) table, viewed
         inv_count = 1.0 / (targets != ignore_index).sum().float().reshape(1)   # stays on the device: no sync
         row_loss = torch.empty(N, dtype=torch.float32, device=hidden.device)
         dhidden = torch.empty_like(hidden) if compute_gradients else None
@@ -240,12 +243,13 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         for chunk, start in enumerate(range(0, N, CE_CHUNK_ROWS)):
             end = min(start + CE_CHUNK_ROWS, N)
             h = hidden[start:end]
-            logits = gemm(h, weight)                                               # (rows, VP)
+            logits = gemm(h, head)                                                 # (rows, VP)
             cross_entropy_rows(logits, targets[start:end], row_loss[start:end], inv_count,
                                vocab_size, ignore_index, compute_gradients)         # logits -> dlogits in place
             if compute_gradients:
-                gemm(logits, weight.t(), out=dhidden[start:end])                   # (rows, D)
-                gemm_into_fp32(h.t(), logits, dweight, accumulate=chunk > 0)      # (D, VP)
+                gemm(logits, head.t(), out=dhidden[start:end])                     # (rows, D)
+                if transposed: gemm_into_fp32(logits.t(), h, dweight, accumulate=chunk > 0)   # (VP, D), the table's layout
+                else: gemm_into_fp32(h.t(), logits, dweight, accumulate=chunk > 0)            # (D, VP)
             del logits
         ctx.save_for_backward(dhidden, dweight)
         ctx.weight, ctx.write_main_grad = weight, write_main_grad
@@ -263,19 +267,23 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
             else: buffer.addcmul_(dweight, dloss)
             grad_weight = finish_weight_grad(weight, buffer, ctx.write_main_grad)
         dhidden = dhidden * dloss.to(dhidden.dtype) if ctx.needs_input_grad[0] else None
-        return dhidden, grad_weight, None, None, None, None, None
+        return dhidden, grad_weight, None, None, None, None, None, None
 
-def linear_cross_entropy(hidden, weight, targets, vocab_size, ignore_index=IGNORE_INDEX, write_main_grad=True):
-    "Mean cross-entropy of hidden (N, D) @ weight (D, VP)[:, :vocab_size] at targets (N,), never holding all logits."
+def linear_cross_entropy(hidden, weight, targets, vocab_size, ignore_index=IGNORE_INDEX, write_main_grad=True, weight_transposed=False):
+    """Mean cross-entropy of hidden (N, D) @ weight (D, VP)[:, :vocab_size] at targets (N,), never holding all logits.
+    weight_transposed: weight is a (VP, D) embedding table tied to the classifier; its fp32 gradient is written in that
+    layout, into the same main_grad the embedding's backward adds to."""
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    if hidden.shape[1] != weight.shape[0]:
-        raise ValueError(f"linear_cross_entropy: hidden has {hidden.shape[1]} features, weight expects {weight.shape[0]}")
+    width, vocab_width = (weight.shape[1], weight.shape[0]) if weight_transposed else weight.shape
+    if hidden.shape[1] != width:
+        raise ValueError(f"linear_cross_entropy: hidden has {hidden.shape[1]} features, weight expects {width}")
     if targets.shape[0] != hidden.shape[0]:
         raise ValueError(f"linear_cross_entropy: {targets.shape[0]} targets for {hidden.shape[0]} rows")
-    if not 0 < vocab_size <= weight.shape[1]:
-        raise ValueError(f"linear_cross_entropy: vocab_size {vocab_size} must be in 1..{weight.shape[1]} (the weight's width)")
+    if not 0 < vocab_size <= vocab_width:
+        raise ValueError(f"linear_cross_entropy: vocab_size {vocab_size} must be in 1..{vocab_width} (the weight's width)")
     compute_gradients = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return FusedLinearCrossEntropy.apply(hidden, weight, targets, vocab_size, ignore_index, compute_gradients, write_main_grad)
+    return FusedLinearCrossEntropy.apply(hidden, weight, targets, vocab_size, ignore_index, compute_gradients, write_main_grad,
+                                         weight_transposed)
 
 register_op("linear_cross_entropy", "triton", linear_cross_entropy)
 

@@ -57,6 +57,7 @@ class ModelConfig:
     shared_expert: bool = False       # one more SwiGLU expert of width expert_d_ff that every token uses
     capacity_factor: float = 1.0
     moe_dispatch: str = "capacity"    # capacity | dropless
+    tie_embeddings: bool = False      # one (VP, D) table: the embedding's rows, and its transpose as the lm-head
 
     def __post_init__(self):
         if not self.padded_vocab_size: self.padded_vocab_size = round_up(self.vocab_size, 64)
@@ -115,7 +116,7 @@ PRESETS = {
     "tiny":     dict(vocab_size=50257, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=176, max_seq_len=256),
     "tiny_moe": dict(vocab_size=50257, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=176, max_seq_len=256,
                      n_experts=4, top_k=2, expert_d_ff=96, shared_expert=True, moe_layers=(1, 2)),
-    "rb100m":   dict(vocab_size=32004, d_model=768, n_layers=16, n_heads=12, n_kv_heads=4, head_dim=64, d_ff=1408),
+    "rb100m":   dict(vocab_size=32004, d_model=768, n_layers=16, n_heads=12, n_kv_heads=4, head_dim=64, d_ff=1408, tie_embeddings=True),
     "prof183m": dict(vocab_size=50257, padded_vocab_size=50432, d_model=1536, n_layers=1, n_heads=24, n_kv_heads=24, head_dim=64, d_ff=4096),
     "dense1b":  dict(vocab_size=50257, padded_vocab_size=50432, d_model=2048, n_layers=24, n_heads=16, n_kv_heads=16, head_dim=128, d_ff=5632),
     "moe4b":    dict(vocab_size=50257, padded_vocab_size=50432, d_model=3072, n_layers=12, n_heads=48, n_kv_heads=48, head_dim=64, d_ff=4096,
@@ -144,7 +145,8 @@ def parameter_counts(c: ModelConfig):
     n_moe = sum(c.is_moe_layer(i) for i in range(c.n_layers))
     moe_ffn = c.n_experts * expert + D * c.n_experts + (expert if c.shared_expert else 0)
     moe_active = c.top_k * expert + D * c.n_experts + (expert if c.shared_expert else 0)
-    counts = dict(embedding=c.vocab_size * D, lm_head=D * c.padded_vocab_size,
+    tied = c.tie_embeddings                       # one (VP, D) table serves both
+    counts = dict(embedding=(c.padded_vocab_size if tied else c.vocab_size) * D, lm_head=0 if tied else D * c.padded_vocab_size,
                   norms=(2 * c.n_layers + 1) * D, attention=c.n_layers * attention,
                   ffn=(c.n_layers - n_moe) * dense_ffn + n_moe * moe_ffn)
     counts["total"] = sum(counts.values())
@@ -197,10 +199,10 @@ class TransformerLm(nn.Module):
         self.precision = c.precision if c.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
         self.op = {name: get_op(name, self.impl) for name in OP_NAMES}
         if self.impl == "triton" and device.type == "cuda": use_measured_gemm_backends()  # per GEMM shape: Triton or cuBLAS, as measured on this GPU
-        self.embedding = _matrix(c.vocab_size, c.d_model)
+        self.embedding = _matrix(c.padded_vocab_size if c.tie_embeddings else c.vocab_size, c.d_model)
         self.blocks = nn.ModuleList(Block(c, i, self.impl) for i in range(c.n_layers))
         self.final_norm = _norm(c.d_model)
-        self.lm_head = _matrix(c.d_model, c.padded_vocab_size)
+        if not c.tie_embeddings: self.lm_head = _matrix(c.d_model, c.padded_vocab_size)
         self.to(device)
         self.init_parameters()
         cos, sin = rope_tables(c.max_seq_len, c.head_dim, c.rope_theta, device)
@@ -223,7 +225,14 @@ class TransformerLm(nn.Module):
             p.data = p.data.to(policy_dtype(name, self.precision))
 
     @property
-    def compute_dtype(self): return self.lm_head.dtype
+    def lm_head(self):
+        "The classifier weight (D, VP): a parameter of its own, or the tied embedding table's transpose (a view)."
+        if self.config.tie_embeddings: return self.embedding.t()
+        if "lm_head" not in self._parameters: raise AttributeError("lm_head")      # not registered yet
+        return self._parameters["lm_head"]
+
+    @property
+    def compute_dtype(self): return self.embedding.dtype
 
     def _attention(self, blk, x):
         c = self.config
@@ -259,7 +268,8 @@ class TransformerLm(nn.Module):
         `load_balance_weight` may be a device tensor (a CUDA-graph step reads it there); a tensor always adds the term."""
         x = self.hidden_states(ids)
         if loss_mask is not None: targets = targets.masked_fill(~loss_mask.bool(), IGNORE_INDEX)
-        lm_loss = self.op["linear_cross_entropy"](x.reshape(-1, x.shape[-1]), self.lm_head, targets.reshape(-1), self.config.vocab_size)
+        head = dict(weight=self.embedding, weight_transposed=True) if self.config.tie_embeddings else dict(weight=self.lm_head)
+        lm_loss = self.op["linear_cross_entropy"](x.reshape(-1, x.shape[-1]), targets=targets.reshape(-1), vocab_size=self.config.vocab_size, **head)
         lb_loss = sum(s["load_balance_loss"] for s in self.moe_stats) if self.moe_stats else lm_loss.new_zeros(())
         weighted = self.moe_stats and (torch.is_tensor(load_balance_weight) or load_balance_weight)   # no host read of a tensor
         loss = lm_loss + load_balance_weight * lb_loss if weighted else lm_loss

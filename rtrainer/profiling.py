@@ -419,10 +419,10 @@ class PlainTransformer(nn.Module):
         super().__init__()
         self.config = c
         dtype = policy_dtype("matrix", precision)
-        self.embedding = nn.Parameter(torch.empty(c.vocab_size, c.d_model, dtype=dtype))
+        self.embedding = nn.Parameter(torch.empty(c.padded_vocab_size if c.tie_embeddings else c.vocab_size, c.d_model, dtype=dtype))
         self.blocks = nn.ModuleList(PlainBlock(c, i, dtype) for i in range(c.n_layers))
         self.final_norm = nn.Parameter(torch.ones(c.d_model))
-        self.lm_head = nn.Parameter(torch.empty(c.d_model, c.padded_vocab_size, dtype=dtype))
+        if not c.tie_embeddings: self.lm_head = nn.Parameter(torch.empty(c.d_model, c.padded_vocab_size, dtype=dtype))
         self.to(device)
         gen = torch.Generator(device=self.lm_head.device).manual_seed(c.seed)
         with torch.no_grad():
@@ -434,6 +434,13 @@ class PlainTransformer(nn.Module):
         angles = torch.arange(c.max_seq_len, dtype=torch.float64)[:, None] * inv_freq[None]
         self.register_buffer("rope_cos", angles.cos().float().to(self.lm_head.device), persistent=False)
         self.register_buffer("rope_sin", angles.sin().float().to(self.lm_head.device), persistent=False)
+
+    @property
+    def lm_head(self):
+        "The classifier weight (D, VP): its own parameter, or the tied embedding table's transpose."
+        if self.config.tie_embeddings: return self.embedding.t()
+        if "lm_head" not in self._parameters: raise AttributeError("lm_head")      # not registered yet
+        return self._parameters["lm_head"]
 
     def forward(self, ids, targets, load_balance_weight=0.0):
         c = self.config

@@ -68,17 +68,17 @@ def test_linear_main_grad_accumulates_then_overwrites(backend):
     assert weight.main_grad is buffer                  # same buffer, no reallocation, no zero-fill
     assert relative_error(weight.main_grad, flat(xs[2]).t() @ flat(dys[2])) < 1e-6
 
-def _fused_vs_reference(N, D, V, VP, chunk_rows, monkeypatch, micro_batches=2, scale=3.0):
+def _fused_vs_reference(N, D, V, VP, chunk_rows, monkeypatch, micro_batches=2, scale=3.0, transposed=False):
     monkeypatch.setattr(mm, "CE_CHUNK_ROWS", chunk_rows)
-    head = torch.nn.Parameter(torch.randn(D, VP) / D**0.5)
+    head = torch.nn.Parameter(torch.randn(*((VP, D) if transposed else (D, VP))) / D**0.5)   # (VP, D): a tied embedding table
     head64 = head.detach().double().requires_grad_()
     start_gradient_step([head])
     for _ in range(micro_batches):
         hidden = (2 * torch.randn(N, D)).requires_grad_()
         targets = torch.randint(0, V, (N,)); targets[::4] = mm.IGNORE_INDEX; targets[1] = V - 1
-        loss = mm.linear_cross_entropy(hidden, head, targets, V)
+        loss = mm.linear_cross_entropy(hidden, head, targets, V, weight_transposed=transposed)
         hidden64 = hidden.detach().double().requires_grad_()
-        ref = mm.linear_cross_entropy_reference(hidden64, head64, targets, V)
+        ref = mm.linear_cross_entropy_reference(hidden64, head64, targets, V, weight_transposed=transposed)
         (scale * loss).backward(); (scale * ref).backward()
         assert relative_error(loss, ref.detach()) < 1e-5
         assert relative_error(hidden.grad, hidden64.grad) < 1e-5
@@ -87,6 +87,10 @@ def _fused_vs_reference(N, D, V, VP, chunk_rows, monkeypatch, micro_batches=2, s
 
 def test_fused_cross_entropy_matches_float64_in_chunks(backend, monkeypatch):
     _fused_vs_reference(N=37, D=9, V=61, VP=64, chunk_rows=8, monkeypatch=monkeypatch)
+
+def test_fused_cross_entropy_with_a_tied_table(backend, monkeypatch):
+    "The weight given as a (VP, D) embedding table: same loss, and its fp32 gradient in the table's layout."
+    _fused_vs_reference(N=37, D=9, V=61, VP=64, chunk_rows=8, monkeypatch=monkeypatch, transposed=True)
 
 def test_fused_cross_entropy_one_chunk_one_micro_batch(monkeypatch):
     _fused_vs_reference(N=21, D=5, V=17, VP=17, chunk_rows=8192, monkeypatch=monkeypatch, micro_batches=1, scale=1.0)

@@ -54,20 +54,21 @@ def test_linear_bf16_two_micro_batches(backend):
     mm.linear_fp32_weight_grad(xs[2], weight).backward(dys[2])
     assert relative_error(weight.main_grad, flat(xs[2]).t() @ flat(dys[2])) < 1e-4
 
-@pytest.mark.parametrize("chunk_rows", [8192, 384])
-def test_fused_cross_entropy_bf16_odd_shapes(backend, chunk_rows, monkeypatch):
+@pytest.mark.parametrize("chunk_rows,transposed", [(8192, False), (384, False), (384, True)])
+def test_fused_cross_entropy_bf16_odd_shapes(backend, chunk_rows, transposed, monkeypatch):
+    "transposed: the weight is a tied (VP, D) embedding table, its gradient written in that layout."
     monkeypatch.setattr(mm, "CE_CHUNK_ROWS", chunk_rows)
     N, D, V, VP = 1000, 259, 1003, 1024
-    head = torch.nn.Parameter((torch.randn(D, VP, device="cuda") / D**0.5).bfloat16())
+    head = torch.nn.Parameter((torch.randn(*((VP, D) if transposed else (D, VP)), device="cuda") / D**0.5).bfloat16())
     head64 = head.detach().double().requires_grad_()
     start_gradient_step([head])
     head.main_grad = torch.full(head.shape, float("nan"), device="cuda"); head.main_grad_written = False
     for _ in range(2):
         hidden = (2 * torch.randn(N, D, device="cuda")).bfloat16().requires_grad_()
         targets = torch.randint(0, V, (N,), device="cuda"); targets[::7] = mm.IGNORE_INDEX; targets[0] = V - 1
-        loss = mm.linear_cross_entropy(hidden, head, targets, V)
+        loss = mm.linear_cross_entropy(hidden, head, targets, V, weight_transposed=transposed)
         hidden64 = hidden.detach().double().requires_grad_()
-        ref = mm.linear_cross_entropy_reference(hidden64, head64, targets, V)
+        ref = mm.linear_cross_entropy_reference(hidden64, head64, targets, V, weight_transposed=transposed)
         (2 * loss).backward(); (2 * ref).backward()
         assert torch.isfinite(loss) and relative_error(loss, ref.detach()) < 2e-3
         assert not hidden.grad.isnan().any() and relative_error(hidden.grad, hidden64.grad) < BF16_TOL

@@ -128,3 +128,28 @@ def test_every_entry_point_builds_the_preset_as_specified(preset, monkeypatch, t
         assert parameter_counts(c)["total"] == parameter_counts(configs["api"])["total"], entry
     assert configs["api"].padded_vocab_size == PRESETS[preset].get("padded_vocab_size", configs["api"].padded_vocab_size)
     if expected: assert parameter_counts(configs["api"])["total"] == expected
+
+
+def test_tied_embeddings_one_table_feeds_both_gradients():
+    """rb100m ties its lm-head to the embedding (101.7M parameters, RustingBrain's count): one (VP, D) table, whose fp32
+    gradient sums the embedding's and the classifier's, as float64 autograd of the same model says."""
+    import dataclasses
+    from rtrainer.kernels import KERNELS_CAN_RUN, gradient_fp32
+    counts = parameter_counts(model_config("rb100m"))
+    assert counts["lm_head"] == 0 and counts["total"] == 101_720_832
+    cfg = model_config("tiny", vocab_size=500, n_layers=2, tie_embeddings=True)      # VP 512: 12 padded rows
+    ids = torch.randint(0, 500, (2, 19))
+    grads = {}
+    for impl in ("torch", "triton") if KERNELS_CAN_RUN else ("torch",):
+        model = TransformerLm(dataclasses.replace(cfg, impl=impl), device="cpu")
+        assert "lm_head" not in dict(model.named_parameters()) and model.embedding.shape == (512, 64)
+        assert model.lm_head.shape == (64, 512) and model.lm_head.data_ptr() == model.embedding.data_ptr()
+        model(ids[:, :-1], ids[:, 1:])[0].backward()
+        grads[impl] = gradient_fp32(model.embedding)
+    exact = TransformerLm(dataclasses.replace(cfg, impl="torch"), device="cpu").double()
+    naive_lm_loss(exact, ids[:, :-1], ids[:, 1:]).backward()
+    for impl, g in grads.items():
+        err = ((g.double() - exact.embedding.grad).norm() / exact.embedding.grad.norm()).item()
+        print(f"{impl}: tied table gradient, relative error {err:.1e} against float64")
+        assert err < 1e-5, impl
+        assert (g[500:] == 0).all()          # padded rows: never looked up, their logits never counted
