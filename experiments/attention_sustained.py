@@ -3,7 +3,7 @@ package (the Hopper kernels on) against cuDNN's SDPA at the four reference shape
 behind an idle spin kernel, as attention_hopper_bench.py times them) and by `sustained_ms` (calls queued back to back
 for about SECONDS, the rate of a training loop at the power limit) and by replaying a CUDA graph of the step back to
 back for as long (no host work between calls, as the trainer's captured step), ROUNDS alternated rounds in one
-process, 95% intervals on the paired ratios; and each arm's host time to enqueue one step. Run on the GPU: `python tests/attention_sustained.py` (writes
+process, 95% intervals on the paired ratios; and each arm's host time to enqueue one step. Run on the GPU: `python experiments/attention_sustained.py` (writes
 $OUT/attention_sustained.json when OUT is set)."""
 import json, os, statistics, sys, time
 import torch

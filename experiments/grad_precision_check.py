@@ -3,7 +3,7 @@ every parameter's gradient from each path against an fp32 reference (the PyTorch
 Arms: the Triton kernels on B 32 in one pass (the one-process run), the Triton kernels on two micro-batches of 16
 (the rows per kernel of a two-rank run), PyTorch's ops in bf16 on B 32. Printed per arm: the loss, the global
 gradient norm against the reference's, and the parameters with the largest relative error and norm ratio off 1.
-`python tests/grad_precision_check.py` on a GPU (writes data/results/grad_precision_check.json, a copy in $OUT)."""
+`python experiments/grad_precision_check.py` on a GPU (writes data/results/grad_precision_check.json, a copy in $OUT)."""
 import os, shutil, sys
 from pathlib import Path
 import torch

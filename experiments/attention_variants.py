@@ -12,9 +12,9 @@ the tile) and times them against SDPA's cuDNN backend at rb100m, dense1b and moe
   tma_ws1      tma_1loop with warp_specialize=True at 4 warps (compiled: producer and consumer partitions)
   heavy_first  the baseline's math with the query blocks reversed within each head: the longest program starts first
   heavy_lpt    the same over a grid (B*H, query blocks): every head's last query block before any next-to-last one
-`python tests/attention_variants.py` on a GPU (writes $OUT/attention_variants.json when OUT is set);
-`TRITON_INTERPRET=1 python tests/attention_variants.py --cpu-check` checks the kernels' math on the CPU in fp32;
-`python tests/attention_variants.py --compile-check` compiles every variant for sm_90 (no GPU) and prints shared memory."""
+`python experiments/attention_variants.py` on a GPU (writes $OUT/attention_variants.json when OUT is set);
+`TRITON_INTERPRET=1 python experiments/attention_variants.py --cpu-check` checks the kernels' math on the CPU in fp32;
+`python experiments/attention_variants.py --compile-check` compiles every variant for sm_90 (no GPU) and prints shared memory."""
 import inspect, json, math, os, statistics, sys, time
 import torch
 import torch.nn.functional as F

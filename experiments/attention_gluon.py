@@ -3,7 +3,7 @@
 Why: rtrainer's Triton forward trails cuDNN most at head dim 128 (332 against 453 TFLOP/s at dense1b). Compiled
 for sm_90, its key loop is: issue `S = Q Kᵀ`, wait for it (and for the previous `P V`), softmax, issue `P V`; the
 tensor cores idle during the softmax unless the SM's other program fills the gap. Triton 3.6 keeps that order even
-when the source computes the next block's scores early (`tests/attention_ahead.py`). Gluon exposes the asynchronous
+when the source computes the next block's scores early (`experiments/attention_ahead.py`). Gluon exposes the asynchronous
 wgmma and its wait (`warpgroup_mma(is_async=True)`, `warpgroup_mma_wait(num_outstanding)`), TMA copies and
 mbarriers, so the order is ours. Per key block j the loop here does:
 
@@ -25,9 +25,9 @@ flight into the next step. Every variant first runs one small launch in a child 
 a mistake in the mbarrier phases hangs the GPU rather than failing.
 
 This is an experiment, not part of rtrainer. Gluon has no interpreter, so the math is only checked on a GPU:
-`python tests/attention_gluon.py` checks the forward's output and log-sum-exp and the backward's dQ, δ, dK and dV against
+`python experiments/attention_gluon.py` checks the forward's output and log-sum-exp and the backward's dQ, δ, dK and dV against
 float64 at odd shapes, then times each variant that passed against rtrainer's kernel (and the forward against
-cuDNN), alternated, at the reference shapes (writes $OUT/attention_gluon.json). `python tests/attention_gluon.py
+cuDNN), alternated, at the reference shapes (writes $OUT/attention_gluon.json). `python experiments/attention_gluon.py
 --compile` compiles both for sm_90 on a machine without a GPU and prints registers, spills, shared memory and the
 wgmma waits in their PTX."""
 import json, os, re, statistics, subprocess, sys, time

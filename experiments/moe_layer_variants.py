@@ -1,11 +1,11 @@
 """The moe4b MoE layer (forward + backward, bf16, capacity and dropless) under tile configs of 03a's Gluon GEMM,
-against torch.compile: how a config measured on the four products alone (tests/moe_gluon_gemm.py) does where it counts.
+against torch.compile: how a config measured on the four products alone (experiments/moe_gluon_gemm.py) does where it counts.
 CONFIGS are (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M), set as rtrainer.moe_hopper.GEMM_CONFIG for an arm's steps.
 VARIANTS=backends times the default config under other weight-gradient backends instead (EXPERT_WEIGHT_GRAD: the TMA
 kernel on capacity groups, cuBLAS per expert on dropless ones), to tell the kernel from the group layout. VARIANTS=blas
 runs the library GEMMs through cuBLASLt (torch.backends.cuda.preferred_blas_library) against cuBLAS.
 Arms alternate over ROUNDS rounds in one process, each the median of many steps (rtrainer.kernels.median_ms), with a
-95% interval on the ratio to the first config's capacity arm. Run on the GPU: `python tests/moe_layer_variants.py`
+95% interval on the ratio to the first config's capacity arm. Run on the GPU: `python experiments/moe_layer_variants.py`
 (writes $OUT/moe_layer_variants.json, or moe_layer_backends.json, when OUT is set)."""
 import json, os, sys, time
 import torch

@@ -6,7 +6,7 @@ copies into a ring of shared-memory slots, two warpgroups, each owning its own r
 per SM walks all tiles. Rounds 1 to 9 of data/results/attention_ws.json measured the variants that led there; the
 ones that lost are at commit 1919f01 (see the comment above ws_forward).
 
-`python tests/attention_ws.py --compile` compiles every variant for sm_90 without a GPU (registers per partition
+`python experiments/attention_ws.py --compile` compiles every variant for sm_90 without a GPU (registers per partition
 are what ptxas prints for the whole kernel; spills are the useful number). On a GPU it first runs each kernel's
 variants once in a child process with a time limit (an mbarrier mistake hangs rather than fails), checks every
 variant that finished against float64 at odd shapes, then times the passing ones against rtrainer's Triton kernels

@@ -17,8 +17,8 @@ instructions as its two matmuls take on the tensor cores, so every instruction s
 Each variant is checked against a float64 reference (bf16, causal, GQA, T off every tile), then timed against
 SDPA's cuDNN backend at the four reference shapes, arms alternating over 3 rounds; last, the best forward plus the
 best backward is timed as one step against cuDNN's forward + backward.
-`python tests/attention_math_variants.py` on a GPU (writes $OUT/attention_math_variants.json when OUT is set);
-`TRITON_INTERPRET=1 python tests/attention_math_variants.py --cpu-check` checks the kernels' math in fp32 on a CPU."""
+`python experiments/attention_math_variants.py` on a GPU (writes $OUT/attention_math_variants.json when OUT is set);
+`TRITON_INTERPRET=1 python experiments/attention_math_variants.py --cpu-check` checks the kernels' math in fp32 on a CPU."""
 import json, math, os, statistics, sys, time
 import torch
 import triton

@@ -3,7 +3,7 @@ time, and does the CUDA allocator's expandable segments mode change that? Runs r
 `rtrainer versus` (moe4b by default) in a fresh process per variant, alternated over rounds, and prints tokens/s,
 the peak allocated and reserved memory and the allocator's retries (cudaFree of its cache after a failed cudaMalloc).
 
-    python tests/grad_release_check.py            # GPU; writes $OUT/grad_release_check.json when OUT is set"""
+    python experiments/grad_release_check.py            # GPU; writes $OUT/grad_release_check.json when OUT is set"""
 import json, os, statistics, subprocess, sys, time
 
 CONFIG = os.environ.get("RELEASE_CONFIG", "moe4b")

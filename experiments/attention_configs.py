@@ -5,9 +5,9 @@ reference shapes of the attention chapter.
 Configs are compiled first in parallel worker processes (Triton's on-disk cache then serves the timing process),
 every config is checked against the autotuned package path on the shape it is timed at, and the arms of one kernel
 alternate over ROUNDS rounds. A config that does not compile (shared memory) or disagrees is listed, not timed.
-`python tests/attention_configs.py` on a GPU (writes $OUT/attention_configs.json when OUT is set; ATTN_CONFIG_KERNELS=
+`python experiments/attention_configs.py` on a GPU (writes $OUT/attention_configs.json when OUT is set; ATTN_CONFIG_KERNELS=
 forward,dq limits the kernels; ATTN_CONFIG_SHAPES=rb100m,T8192 picks the shapes: reference names, or T<length> for the
-benchmark's sweep heads at that length); `python tests/attention_configs.py --list` prints the candidates and shapes."""
+benchmark's sweep heads at that length); `python experiments/attention_configs.py --list` prints the candidates and shapes."""
 import json, os, statistics, sys, time
 from concurrent.futures import ProcessPoolExecutor
 import multiprocessing as mp

@@ -10,7 +10,7 @@ software power cap as a clock limiter. The layer arms are also timed as the chap
 last table puts the isolated GEMMs' joules against the layer's: if the step runs at the power limit, its time is
 at least (its GEMMs' joules) / (the limit's watts). LAYER_ONLY=1 runs the layer arms only; HOST_ONLY=1 prints each
 layer arm's host time to enqueue one step (to rule out a host-bound back-to-back time) and stops.
-Run on the GPU: `python tests/moe_energy.py` (writes $OUT/moe_energy.json when OUT is set)."""
+Run on the GPU: `python experiments/moe_energy.py` (writes $OUT/moe_energy.json when OUT is set)."""
 import ctypes, json, os, statistics, sys, threading, time
 import torch
 import triton

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Warp-stall breakdown and tensor-pipe activity of the kernels tests/attention_ws_profile.py launches once each
+# Warp-stall breakdown and tensor-pipe activity of the kernels experiments/attention_ws_profile.py launches once each
 # (the Triton, the Hopper (rtrainer.attention_hopper) and cuDNN's dense1b forward, the Triton and the Hopper dQ and dK/dV), under Nsight Compute.
 # Asks ncu which metrics this GPU has, keeps the wanted ones it lists, writes $OUT/ncu_stalls.csv.
 set -u
@@ -32,7 +32,7 @@ for m in $want; do
   fi
 done
 echo "metrics: ${metrics%,}"
-ncu --clock-control none --profile-from-start off --csv --metrics "${metrics%,}" $PY tests/attention_ws_profile.py > "$OUT/ncu_stalls.csv" 2> "$OUT/ncu_stalls.err"
+ncu --clock-control none --profile-from-start off --csv --metrics "${metrics%,}" $PY experiments/attention_ws_profile.py > "$OUT/ncu_stalls.csv" 2> "$OUT/ncu_stalls.err"
 echo "rc=$?"; tail -3 "$OUT/ncu_stalls.err"
 $PY - "$OUT/ncu_stalls.csv" <<'PY'
 import csv, sys, collections

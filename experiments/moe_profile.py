@@ -3,7 +3,7 @@ backward at the moe4b shape (16,384 tokens, D 3072, FF 4096, 8 experts, top-2, b
 (what `auto` runs), for torch.compile of the capacity reference and for the dropless arms on `_grouped_mm` (what
 `auto` runs) and per expert, and prints each arm's unprofiled step time and its GPU kernels grouped as GEMMs and the rest, per step (5 profiled steps after warm-up). Then it times the router's kernels at that shape over their block sizes,
 against PyTorch's fp32 products. Writes $OUT/moe_profile.json.
-`python tests/moe_profile.py` on a GPU; PROFILE_ARMS="arm;arm" picks arms (of moe.BENCHMARK_ARMS or EXTRA_ARMS below),
+`python experiments/moe_profile.py` on a GPU; PROFILE_ARMS="arm;arm" picks arms (of moe.BENCHMARK_ARMS or EXTRA_ARMS below),
 ROUTER=0 skips the router sweep, PLAN=0 the routing plans' timing."""
 import json, os, sys
 from collections import defaultdict

@@ -20,8 +20,8 @@ and, for the gate_up GEMM, the SwiGLU:
 
 Every arm is checked against float64 on 512 rows of the first and last expert before it is timed; arms alternate
 over ROUNDS rounds; ratios to cuBLAS carry a 95% interval. A variant that does not compile is listed with its error.
-`python tests/moe_gemm_variants.py` on a GPU (writes $OUT/moe_gemm_variants.json when OUT is set);
-`python tests/moe_gemm_variants.py --compile` compiles the TMA variants for sm_90 without a GPU (run it under the
+`python experiments/moe_gemm_variants.py` on a GPU (writes $OUT/moe_gemm_variants.json when OUT is set);
+`python experiments/moe_gemm_variants.py --compile` compiles the TMA variants for sm_90 without a GPU (run it under the
 GPU's Triton) and prints shared memory and registers."""
 import json, os, sys, time, inspect
 import torch

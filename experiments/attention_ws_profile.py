@@ -1,6 +1,6 @@
 """One launch each of the Triton, the Hopper (rtrainer.attention_hopper) and cuDNN's attention forward, and of the Triton
 and Hopper dQ and dK/dV kernels, at dense1b, for
-Nsight Compute: `ncu --clock-control none --section ... python tests/attention_ws_profile.py` (GPU suite stage
+Nsight Compute: `ncu --clock-control none --section ... python experiments/attention_ws_profile.py` (GPU suite stage
 `attention-ws-profile`). Warm-up launches run before `torch.cuda.profiler.start()`, so ncu run with
 `--profile-from-start off` sees one launch of each kernel. An experiment, not part of rtrainer."""
 import os, sys

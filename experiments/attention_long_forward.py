@@ -6,7 +6,7 @@ the 64 x 64, 4-warp tile at T 4096 and 8192 (head dim 64), but the benchmark tha
 sessions. Here both tiles run in one process, through `flash_attention` as the benchmark's forward does, alternating
 over ROUNDS rounds, with a 95% interval on the paired ratio. Outputs of the two tiles are checked against each other.
 
-`python tests/attention_long_forward.py` on a GPU; writes $OUT/attention_long_forward.json when OUT is set."""
+`python experiments/attention_long_forward.py` on a GPU; writes $OUT/attention_long_forward.json when OUT is set."""
 import json, os, time
 import torch
 import triton

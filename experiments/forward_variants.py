@@ -1,7 +1,7 @@
 """Why do four single-pass forwards (vecadd, SwiGLU, RMSNorm at 8192 columns, the embedding) trail torch.compile's
 kernels by 1-3%? One GPU run: dump what inductor generates for each, time rtrainer's kernel against it and against
 variants that copy one of its traits at a time (flat int32 indexing, its block and warps, streaming cache hints).
-`python tests/forward_variants.py` on a GPU; writes $OUT/forward_variants.json and $OUT/inductor_forward_code.txt."""
+`python experiments/forward_variants.py` on a GPU; writes $OUT/forward_variants.json and $OUT/inductor_forward_code.txt."""
 import json, os, time
 import torch, triton, triton.language as tl
 from torch._inductor.utils import run_and_get_code

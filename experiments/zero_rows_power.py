@@ -2,7 +2,7 @@
 2FF 8192, bf16) on cuBLAS's bmm and on 03a's Gluon GEMM, with every row random and with a fraction of each expert's
 rows zero (as a capacity group's empty slots after drops), arms alternated over ROUNDS rounds (median_ms each), then
 each arm run for about a second while nvidia-smi samples power and SM clock. Run on the GPU:
-`python tests/zero_rows_power.py` (writes $OUT/zero_rows_power.json when OUT is set)."""
+`python experiments/zero_rows_power.py` (writes $OUT/zero_rows_power.json when OUT is set)."""
 import json, os, subprocess, sys, threading, time
 import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -4,7 +4,7 @@ bandwidth-bound. Here the GEMM runs on all multiprocessors but S (its persistent
 copy of COPY_GIB in and out runs on a second stream with S x CTAS_PER_SM programs, against the two one after the
 other at full width. Arms alternate over ROUNDS rounds (median_ms each): the GEMM alone at full and capped width,
 the copy alone at full width and on S multiprocessors' worth of programs, the pair in sequence, the pair overlapped.
-Run on the GPU: `python tests/moe_overlap.py` (writes $OUT/moe_overlap.json when OUT is set)."""
+Run on the GPU: `python experiments/moe_overlap.py` (writes $OUT/moe_overlap.json when OUT is set)."""
 import json, os, sys, time
 import torch
 import triton

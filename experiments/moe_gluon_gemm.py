@@ -2,7 +2,7 @@
 
 Why: the MoE chapter's 1.15x target needs the SwiGLU inside the expert GEMMs' epilogues (and the gathers inside their
 loads), that is GEMMs of our own at cuBLAS speed whose epilogues hide behind the next tile's products. The Triton
-GEMMs of `tests/moe_gemm_variants.py` are 2-10% behind cuBLAS and Triton 3.6 does not warp-specialize them on sm_90;
+GEMMs of `experiments/moe_gemm_variants.py` are 2-10% behind cuBLAS and Triton 3.6 does not warp-specialize them on sm_90;
 their SwiGLU epilogue took 0.97x of cuBLAS plus the separate pass. Gluon places the warps by hand, as the attention
 chapter's Hopper kernels do (the kernel is rtrainer.moe_hopper's, `03a_moe_hopper`):
 
@@ -26,8 +26,8 @@ cuBLAS plus rtrainer's `swiglu_forward` against the fused gate_up. Every arm is 
 time limit (an mbarrier mistake hangs rather than fails), then checked against float64 on 256 rows of the first and
 last expert, then timed, arms alternated over ROUNDS rounds, with a 95% interval on the ratio to cuBLAS.
 
-Gluon has no interpreter, so the math is only checked on a GPU: `python tests/moe_gluon_gemm.py` (writes
-$OUT/moe_gluon_gemm.json when OUT is set); `python tests/moe_gluon_gemm.py --compile` compiles every config for sm_90
+Gluon has no interpreter, so the math is only checked on a GPU: `python experiments/moe_gluon_gemm.py` (writes
+$OUT/moe_gluon_gemm.json when OUT is set); `python experiments/moe_gluon_gemm.py --compile` compiles every config for sm_90
 without a GPU (run it under the GPU's Triton, 3.6) and prints registers, spills and shared memory."""
 import json, os, re, subprocess, sys, time
 import torch
