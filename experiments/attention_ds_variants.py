@@ -11,7 +11,8 @@ backward alone is timed in ROUNDS alternated rounds, with its peak memory; last,
 for the recomputing backward and the fastest 'ds' config of each shape.
 The kernels live here, not in the package: the measured run (commit f5a75b8, where they were the package's) found them
 slower than the recomputing backward at every shape, so they did not stay.
-`python experiments/attention_ds_variants.py` on a GPU (writes data/results/attention_ds_variants.json, a copy in $OUT)."""
+`python experiments/attention_ds_variants.py` on a GPU (writes data/results/attention_ds_variants.json, a copy in $OUT; the recorded run is kept in
+experiments/results/attention_ds_variants.json)."""
 import math, os, shutil, time
 import torch
 import triton

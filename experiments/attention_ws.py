@@ -3,7 +3,7 @@
 Why: at head dim 128 rtrainer's Triton kernels trail cuDNN (forward 336 against 459 TFLOP/s, backward 280 against
 321 at dense1b). The kernels measured here have the structure of the fastest Hopper kernels: one warp issues TMA
 copies into a ring of shared-memory slots, two warpgroups, each owning its own rows, consume them, and one program
-per SM walks all tiles. Rounds 1 to 9 of data/results/attention_ws.json measured the variants that led there; the
+per SM walks all tiles. Rounds 1 to 9 of experiments/results/attention_ws.json measured the variants that led there; the
 ones that lost are at commit 1919f01 (see the comment above ws_forward).
 
 `python experiments/attention_ws.py --compile` compiles every variant for sm_90 without a GPU (registers per partition

@@ -67,7 +67,7 @@ MAX_E = 8     # experts the row-dot kernels take (explicit per-expert accumulato
 
 # The route kernel is rtrainer.moe's router_rowdot_kernel (it came from this script, where it was first written with a
 # num_stages knob: software pipelining through shared memory took 0.29 to 0.43 ms against 0.047, see
-# data/results/router_variants.json of commit bec5865). The configs below are its launch shapes.
+# experiments/results/router_variants.json, of commit bec5865). The configs below are its launch shapes.
 
 # route configs: (NC lanes across columns, G row groups, R rows per lane, num_warps).
 # G = (32 // NC) * num_warps keeps each lane on R rows of its own (no replication); rows per program = G * R.
