@@ -358,7 +358,7 @@ def plot_ratios(labels, series, caption="", xlabel="speed ratio (above 1: faster
 # %% ../nbs/01_kernels.ipynb #150aed6a
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 KERNELS_CAN_RUN = torch.cuda.is_available() or INTERPRETING
-COPY_CEILING_GBPS = 4260.0  # device-to-device copy on the H200, bytes read + written (MEASURING.md)
+COPY_CEILING_GBPS = 4260.0  # device-to-device copy on the H200, bytes read + written (the measuring protocol, nbs/measuring.ipynb)
 
 def check_kernel_device(*tensors):
     "Raise a one-line error unless every tensor is on a device where Triton kernels run."
