@@ -238,7 +238,7 @@ def flash_backward_dq_kernel(
 
 # %% ../nbs/02_attention.ipynb #6bc5e1b5
 # The config each kernel runs, (BLOCK_M, BLOCK_N, warps, stages, register cap per thread or None), chosen by a sweep
-# of up to 16 configs per kernel on the H200 (tests/attention_configs.py, "Fifth round" and "Sixth round" at the end),
+# of up to 16 configs per kernel on the H200 (experiments/attention_configs.py; the account is experiments/attention_configs.md),
 # per head-dim class (64 serves 16, 32 and 64) and sequence-length class ("short" below LONG_SEQUENCE, "long" from it).
 # - Short, head dim 64: the fastest, or within 1% of it, at rb100m, prof183m and moe4b (T 1024). A cap of 168
 #   registers lets three 4-warp programs share an SM's 64K registers; it made the dK/dV 32 x 64 tile the fastest there.

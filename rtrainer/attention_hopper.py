@@ -25,7 +25,7 @@ LOG2E = 1.4426950408889634
 _LOG2E = gl.constexpr(LOG2E)       # the same, readable inside the kernels
 LOADER_REGS = gl.constexpr(24)     # registers per thread of the loader warp: it only issues copies
 CONSUMER_REGS = 240                # each consumer warpgroup's; 24 + 240 + 240 per lane of three warpgroups fill the register file
-# (query rows per consumer, keys per ring slot, ring slots) by head dim, measured on an H200 (tests/attention_ws.py)
+# (query rows per consumer, keys per ring slot, ring slots) by head dim, measured on an H200 (experiments/attention_ws.py)
 FORWARD_TILES = {64: (64, 128, 3), 128: (64, 128, 2)}
 DQ_TILES = {128: (64, 64, 3)}      # at head dim 64 rtrainer's Triton dQ kernel is faster: it keeps that one
 # (keys per consumer, query rows per ring slot, ring slots)

@@ -16,18 +16,19 @@ __all__ = ['OPS', 'PROJECT_ROOT', 'RESULTS_DIR', 'T_QUANTILE_975', 'INTERPRETING
            'mark_main_grad_written', 'weight_grad_buffer', 'finish_weight_grad', 'accumulate_main_grad',
            'gradient_fp32', 'enqueue_ms', 'median_ms', 'sustained_ms', 'peak_bytes', 'git_commit', 'machine_metadata',
            'save_results', 'load_results', 'results_caption', 'show_results', 't_quantile_975', 'ratio_interval',
-           'spread', 'alternation', 'check_kernel_device', 'vecadd_kernel', 'vecadd', 'relative_error', 'check_close',
-           'time_ms', 'benchmark_row', 'bench_vecadd', 'rms_norm_forward_kernel', 'rms_norm_backward_kernel', 'as_rows',
-           'resident_programs', 'rms_norm_forward', 'rms_norm_backward', 'RMSNormFunction', 'AddRMSNormFunction',
-           'rms_norm_triton', 'add_rms_norm_triton', 'register_op_example', 'run_op_with_grads', 'check_op',
-           'rope_kernel', 'rope_apply', 'RoPEFunction', 'rope_triton', 'swiglu_forward_kernel',
-           'swiglu_backward_kernel', 'swiglu_forward', 'swiglu_backward', 'SwiGLUFunction', 'swiglu_triton',
-           'embedding_forward_kernel', 'embedding_backward_segments_kernel', 'embedding_backward_atomic_kernel',
-           'embedding_forward', 'embedding_backward_deterministic', 'embedding_backward_atomic', 'EmbeddingFunction',
-           'embedding_triton', 'embedding_run_to_run_differences', 'bench_rms_norm', 'bench_add_rms_norm', 'bench_rope',
-           'bench_swiglu', 'bench_embedding', 'register_benchmark', 'benchmark_suite', 'print_table',
-           'add_doctor_arguments', 'run_doctor', 'parse_size', 'add_bench_arguments', 'run_ops_check', 'run_bench',
-           'kernel_knobs', 'parse_variants', 'add_sweep_arguments', 'knob_values', 'run_sweep']
+           'spread', 'alternation', 'plot_ratios', 'check_kernel_device', 'vecadd_kernel', 'vecadd', 'relative_error',
+           'check_close', 'time_ms', 'benchmark_row', 'bench_vecadd', 'rms_norm_forward_kernel',
+           'rms_norm_backward_kernel', 'as_rows', 'resident_programs', 'rms_norm_forward', 'rms_norm_backward',
+           'RMSNormFunction', 'AddRMSNormFunction', 'rms_norm_triton', 'add_rms_norm_triton', 'register_op_example',
+           'run_op_with_grads', 'check_op', 'rope_kernel', 'rope_apply', 'RoPEFunction', 'rope_triton',
+           'swiglu_forward_kernel', 'swiglu_backward_kernel', 'swiglu_forward', 'swiglu_backward', 'SwiGLUFunction',
+           'swiglu_triton', 'embedding_forward_kernel', 'embedding_backward_segments_kernel',
+           'embedding_backward_atomic_kernel', 'embedding_forward', 'embedding_backward_deterministic',
+           'embedding_backward_atomic', 'EmbeddingFunction', 'embedding_triton', 'embedding_run_to_run_differences',
+           'bench_rms_norm', 'bench_add_rms_norm', 'bench_rope', 'bench_swiglu', 'bench_embedding',
+           'register_benchmark', 'benchmark_suite', 'print_table', 'add_doctor_arguments', 'run_doctor', 'parse_size',
+           'add_bench_arguments', 'run_ops_check', 'run_bench', 'kernel_knobs', 'parse_variants', 'add_sweep_arguments',
+           'knob_values', 'run_sweep']
 
 # %% ../nbs/01_kernels.ipynb #127953a0
 import datetime, json, math, os, platform, statistics, subprocess, sys, time, warnings
@@ -327,10 +328,37 @@ def alternation(arms, round_index):
     "The order the arms run in round `round_index`: as given in even rounds, reversed in odd ones (A B, B A, A B ...)."
     return list(arms) if round_index % 2 == 0 else list(arms)[::-1]
 
+# %% ../nbs/01_kernels.ipynb #06a4f00b
+def plot_ratios(labels, series, caption="", xlabel="speed ratio (above 1: faster)", title=None):
+    "Horizontal bars of speed ratios, one group per label, for each series {name: (ratios, lows, highs)}, with 95% intervals."
+    import matplotlib.pyplot as plt
+    n, k = len(labels), len(series)
+    fig, ax = plt.subplots(figsize=(6, min(5.5, 1.2 + 0.2 * n * (k + 0.5))), dpi=80)
+    height, right = 0.8 / k, 1.0
+    for j, (name, (ratios, lows, highs)) in enumerate(series.items()):
+        y = [n - 1 - i + (k - 1 - 2 * j) * height / 2 for i in range(n)]         # first label on top
+        lows, highs = lows or [None] * n, highs or [None] * n
+        err = [[r - lo if lo is not None else 0 for r, lo in zip(ratios, lows)],
+               [hi - r if hi is not None else 0 for r, hi in zip(ratios, highs)]]
+        ax.barh(y, [r - 1 for r in ratios], height * 0.9, left=1, xerr=err, capsize=2, label=name if k > 1 else None)
+        for yi, r, hi in zip(y, ratios, highs):
+            x = max(1, r, hi or r)
+            ax.text(x + 0.004, yi, f"{r:.3f}", va="center", fontsize=6.5); right = max(right, x)
+    left = min(1.0, *(min(lo if lo is not None else r for r, lo in zip(v[0], v[1] or [None] * n)) for v in series.values()))
+    ax.set_xlim(left - 0.03 * (right - left + 0.05), right + 0.12 * (right - left + 0.05))
+    ax.axvline(1, color="black", lw=0.8)
+    ax.set_yticks(range(n)); ax.set_yticklabels(labels[::-1], fontsize=7.5)
+    ax.set_xlabel(xlabel, fontsize=8); ax.tick_params(axis="x", labelsize=7.5)
+    if k > 1: ax.legend(fontsize=7, loc="lower left", bbox_to_anchor=(0, 1), ncol=k, frameon=False)
+    if title: ax.set_title(title, fontsize=9, pad=16 if k > 1 else 6)
+    if caption: fig.text(0.01, 0.005, caption, fontsize=6.5, color="0.35")
+    fig.tight_layout(rect=(0, 0.03 if caption else 0, 1, 1))
+    return fig
+
 # %% ../nbs/01_kernels.ipynb #150aed6a
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 KERNELS_CAN_RUN = torch.cuda.is_available() or INTERPRETING
-COPY_CEILING_GBPS = 4260.0  # device-to-device copy on the H200, bytes read + written (MEASURING.md)
+COPY_CEILING_GBPS = 4260.0  # device-to-device copy on the H200, bytes read + written (the measuring protocol, nbs/measuring.ipynb)
 
 def check_kernel_device(*tensors):
     "Raise a one-line error unless every tensor is on a device where Triton kernels run."

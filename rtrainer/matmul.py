@@ -288,7 +288,7 @@ def linear_cross_entropy(hidden, weight, targets, vocab_size, ignore_index=IGNOR
 register_op("linear_cross_entropy", "triton", linear_cross_entropy)
 
 # %% ../nbs/01a_matmul.ipynb #1c0378ab
-MODEL_SHAPES = {   # the reference configurations of docs/MEASURING.md, T = 1024
+MODEL_SHAPES = {   # the reference configurations of the measuring protocol (nbs/measuring.ipynb), T = 1024
     "rb100m":   dict(vocab_size=32004, padded_vocab_size=32064, d_model=768, n_layers=16, n_heads=12, n_kv_heads=4,
                      head_dim=64, d_ff=1408, batch_size=32, seq_len=1024),
     "prof183m": dict(vocab_size=50257, padded_vocab_size=50432, d_model=1536, n_layers=1, n_heads=24, n_kv_heads=24,

@@ -479,7 +479,7 @@ def router_logits_kernel(x_ptr, w_ptr, out_ptr, experts_ptr, weights_ptr, N, D, 
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + cols[None, :],
                     mask=(rows[:, None] < N) & (cols[None, :] < D), other=0.0).to(tl.float32)
         w = tl.load(w_ptr + cols[:, None] * E + experts[None, :], mask=(cols[:, None] < D) & (experts[None, :] < E), other=0.0)
-        acc += tl.dot(x, w, input_precision="ieee")     # the chunk's fp32 sum (FMA; tf32x3 on the tensor cores was slower, see below)
+        acc += tl.dot(x, w, input_precision="ieee")     # the chunk's fp32 sum (FMA; tf32x3 on the tensor cores was slower: experiments/router_variants.md)
     _route_outputs(acc, rows, experts[None, :], N, E, out_ptr, experts_ptr, weights_ptr, TOP_K, 1)
 
 ROUTER_ROWDOT = (32, 4, 8, 4)   # (lanes across columns, row groups, rows per lane, warps): 32 rows per program
