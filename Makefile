@@ -1,11 +1,11 @@
-# The two commands the README gives, plus the environment they share.
+# The README's commands (make train, make test; make docs and make readme), plus the environment they share.
 # Each target creates .venv and installs rtrainer into it on first use; nothing is installed by hand.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rtrainer-installed
 
-.PHONY: install data train test
+.PHONY: install data train test docs readme
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,3 +25,9 @@ train: $(STAMP)
 
 test: $(STAMP)
 	bash tests/run_all.sh
+
+docs: $(STAMP)
+	$(BIN)/python tools/build_docs.py --out _docs
+
+readme: $(STAMP)
+	$(BIN)/python tools/build_docs.py --readme

@@ -510,7 +510,7 @@ def run_distributed_train(args):
     finally:
         # The wrapped model and the sharded parameters hold the process group: release them so that destroying it
         # really tears it down (pending collectives finish, gloo's worker threads stop) before the worker ends. That
-        # alone made the shutdown abort of the next function rare (tests/dist_teardown_stress.sh); end_worker skips it.
+        # alone made the shutdown abort of the next function rare (experiments/dist_teardown_stress.sh); end_worker skips it.
         trainer = None
         gc.collect()
         if dist.is_initialized(): dist.destroy_process_group()
@@ -523,7 +523,7 @@ def end_worker(status):
     """End a torchrun worker now, without the interpreter's shutdown. With the group destroyed, a gloo thread can still be
     dropping a finished collective's tensors when Python finalizes; a thread that takes the GIL then is made to exit
     through a noexcept destructor, and the rank aborts (SIGABRT). Rare: once in CI at commit 249d4ca, a two-rank FSDP run
-    with a checkpoint, after 0 in 260 DDP runs of tests/dist_teardown_stress.sh. Everything the run writes is closed by now."""
+    with a checkpoint, after 0 in 260 DDP runs of experiments/dist_teardown_stress.sh. Everything the run writes is closed by now."""
     sys.stdout.flush(); sys.stderr.flush()
     os._exit(status)
 

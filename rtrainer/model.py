@@ -122,7 +122,7 @@ PRESETS = {
     "moe4b":    dict(vocab_size=50257, padded_vocab_size=50432, d_model=3072, n_layers=12, n_heads=48, n_kv_heads=48, head_dim=64, d_ff=4096,
                      n_experts=8, top_k=2, expert_d_ff=4096, capacity_factor=1.0),
 }
-REFERENCE_BATCH = {"rb100m": 32, "prof183m": 32, "dense1b": 16, "moe4b": 16}  # MEASURING.md, at T = 1024
+REFERENCE_BATCH = {"rb100m": 32, "prof183m": 32, "dense1b": 16, "moe4b": 16}  # nbs/measuring.ipynb, at T = 1024
 
 def model_config(name_or_path, **overrides):
     "A preset by name, or a JSON file, with field overrides; validated."
@@ -154,7 +154,7 @@ def parameter_counts(c: ModelConfig):
     return counts
 
 def matmul_parameters(c: ModelConfig):
-    "N_matmul of MEASURING.md: per-token matmul weights (active experts and router included) plus the lm-head."
+    "N_matmul of the measuring protocol (nbs/measuring.ipynb): per-token matmul weights (active experts and router included) plus the lm-head."
     D, hd = c.d_model, c.head_dim
     per_layer = []
     for i in range(c.n_layers):

@@ -44,7 +44,7 @@ def setting(default, help, switch=False):
 
 SWITCH = ("auto", "on", "off")
 
-REFERENCE_LR = 3e-4                         # the AdamW rate of the reference configurations (MEASURING.md)
+REFERENCE_LR = 3e-4                         # the AdamW rate of the reference configurations (nbs/measuring.ipynb)
 DEFAULT_LR = {"tiny": 3e-3, "tiny_moe": 3e-3}   # 64-wide CPU demos of a few hundred steps take a larger one
 
 @dataclass

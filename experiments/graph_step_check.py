@@ -1,6 +1,5 @@
 """What capturing rtrainer's whole training step in one CUDA graph buys on a model whose step is bound by the host's
-launches. At rb100m on the H200 (commit fbe2962) the step takes 56.1 ms for 50.7 ms of kernels, about 750 launches:
-the GPU waits for the host about a tenth of the time even though the loop never waits for the GPU.
+launches (rb100m on the H200). The question, the runs and the answer: experiments/graph_step_check.md.
 
 Arms, each a fresh process, alternated over ROUNDS rounds, the warm-up steps (at least GRAPH_WARMUP_STEPS + 1, so
 that the capture falls in them) and then STEPS timed ones; the summary gives the paired ratio graph/arm with its 95%
@@ -10,11 +9,9 @@ interval:
   persistent   the trainer's CapturedStep body run eagerly (capture=False): every buffer at a fixed address
   graph        the trainer with cuda_graph=True: that body captured once in a CUDA graph and replayed
 
-Until commit 35cfd78 the persistent and graph arms were this script's own copy of the step; they now run the
-trainer's (`training.CapturedStep`, `--cuda-graph`).
-
-`python tests/graph_step_check.py [--config rb100m] [--rounds 3]` on a GPU; writes $OUT/graph_step_check.json when
-OUT is set. `--device cpu --config tiny --arms trainer,persistent` runs the eager arms on a CPU (TRITON_INTERPRET=1)."""
+`python experiments/graph_step_check.py [--config rb100m] [--rounds 3]` on a GPU (GPU suite stage graph-step); writes
+$OUT/graph_step_check.json when OUT is set. `--device cpu --config tiny --arms trainer,persistent` runs the eager arms
+on a CPU (TRITON_INTERPRET=1)."""
 import json, sys, time
 import torch
 from arm_rounds import arguments, synthetic_trainer, report, alternated_rounds

@@ -1,15 +1,7 @@
-"""What the trainer's one host synchronization per step costs on a host-bound model, and whether Python's garbage
-collector is behind the spread of rtrainer's `versus` rounds at rb100m (548,228 to 583,275 tokens/s between processes
-at commit 283fad2, where torch.compile's rounds stayed within 0.2%).
-
-Up to commit 87f1121, `Trainer.train_step` read the loss and the gradient norm on the host before the optimizer step,
-so that a non-finite step stopped before it touched the weights. That read waits for the whole backward: the GPU then
-idles while the host launches the optimizer and the next step's first kernels. Measured here at that commit (H200,
-3 rounds): trainer 549,311 tokens/s with a 19.6% spread between rounds, no-sync 606,253 with 1.4%. Since then the
-trainer computes the clip coefficient on the device, skips a non-finite step's update there, and reads a step's loss
-and norm one step late. Measured again at commit fbe2962 (3 rounds): trainer 570,222 tokens/s, no-sync 577,587,
-1.013 [0.854, 1.200], both arms' rounds spread by 6 to 9%. The arms, each a fresh process, alternated over
-ROUNDS rounds, WARMUP steps and then STEPS timed ones:
+"""What the trainer's host synchronization per step costs on a host-bound model (rb100m), and whether Python's garbage
+collector is behind the spread of the eager trainer's rate between processes. The question, the runs and the answer:
+experiments/step_sync_check.md. The arms, each a fresh process, alternated over ROUNDS rounds, WARMUP steps and then
+STEPS timed ones:
 
   trainer           Trainer.train_step as it is
   no-sync           the same device work without the read: the gradient norm and clip scale are computed but not
@@ -19,8 +11,9 @@ ROUNDS rounds, WARMUP steps and then STEPS timed ones:
   no-sync-gc-off    both
 
 Every loss of the timed window must be finite. Prints each round and the paired ratio no-sync/arm with its 95% interval.
-`python tests/step_sync_check.py [--config rb100m] [--batch-size 32] [--rounds 3]` on a GPU; writes
-$OUT/step_sync_check.json when OUT is set. `--device cpu --config tiny` runs it on a CPU (TRITON_INTERPRET=1)."""
+`python experiments/step_sync_check.py [--config rb100m] [--batch-size 32] [--rounds 3]` on a GPU (GPU suite stage
+step-sync); writes $OUT/step_sync_check.json when OUT is set. `--device cpu --config tiny` runs it on a CPU
+(TRITON_INTERPRET=1)."""
 import gc, json, sys, time
 import torch
 from arm_rounds import arguments, synthetic_trainer, report, alternated_rounds

@@ -1,4 +1,4 @@
-"""What the trainer experiment scripts share (`step_sync_check.py`, `graph_step_check.py`): their command line, a
+"""What the trainer experiment scripts share (`step_sync_check.py`, `graph_step_check.py`, in experiments/): their command line, a
 Trainer on synthetic data for an arm's process, the arm's result line, and the alternated rounds of fresh processes,
 summarized with the profiling chapter's `summarize_pairs` and `print_summary` and written to $OUT/NAME.json."""
 import argparse, json, math, os, subprocess, sys, tempfile, time
