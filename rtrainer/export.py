@@ -11,8 +11,9 @@ __all__ = ['HF_CONFIG', 'HF_WEIGHTS', 'HF_INDEX', 'INT8_SCHEME', 'EXPORT_DTYPES'
            'rotate_half_order', 'to_rotate_half', 'from_rotate_half', 'hf_architecture', 'capacity_note',
            'to_hf_tensors', 'hf_config', 'byte_to_unicode', 'bpe_pair', 'bpe_merges', 'hf_tokenizer_files', 'export_hf',
            'check_output', 'rtrainer_logits', 'model_config_from_hf', 'read_hf_tensors', 'from_hf_tensors',
-           'read_hf_folder', 'add_export_arguments', 'run_export', 'size_of', 'read_any_checkpoint_metadata',
-           'add_eval_arguments', 'run_eval', 'add_generate_arguments', 'run_generate', 'init_from_checkpoint_file']
+           'read_hf_metadata', 'read_hf_folder', 'add_export_arguments', 'run_export', 'size_of',
+           'read_any_checkpoint_metadata', 'add_eval_arguments', 'run_eval', 'add_generate_arguments', 'run_generate',
+           'init_from_checkpoint_file']
 
 # %% ../nbs/08a_export.ipynb #d54413ab
 import dataclasses, functools, json, os, shutil, tempfile
@@ -46,7 +47,10 @@ def checkpoint_kind(path):
 
 def checkpoint_metadata_only(path):
     "The rtrainer metadata of a single-file checkpoint, without reading its tensors ({} if it has none)."
-    with safe_open(str(resolve_checkpoint(path)), framework="pt") as f: raw = (f.metadata() or {}).get("rtrainer")
+    path = resolve_checkpoint(path)
+    try:
+        with safe_open(str(path), framework="pt") as f: raw = (f.metadata() or {}).get("rtrainer")
+    except Exception as e: raise ValueError(f"{path}: not a readable safetensors checkpoint ({e})") from None
     return json.loads(raw) if raw else {}
 
 def read_any_checkpoint(path):
@@ -340,17 +344,20 @@ def from_hf_tensors(hf, c: ModelConfig, folder="folder"):
                       b + "down": t(p + "mlp.down_proj.weight").T})
     return {f"model.{k}": v.contiguous() for k, v in w.items()}
 
-def read_hf_folder(folder):
-    "(tensors, metadata) of a transformers Llama or Mixtral folder, as a weights-only rtrainer checkpoint."
+def read_hf_metadata(folder):
+    "The checkpoint metadata of a transformers Llama or Mixtral folder (from its config.json alone)."
     folder = Path(folder)
     try: cfg = json.loads((folder / HF_CONFIG).read_text())
     except json.JSONDecodeError as e: raise ValueError(f"{folder / HF_CONFIG}: not valid JSON ({e})") from None
-    c = model_config_from_hf(cfg, folder)
-    tensors = from_hf_tensors(read_hf_tensors(folder), c, folder)
     saved = cfg.get("rtrainer") or {}
-    meta = dict(format=CHECKPOINT_FORMAT, step=saved.get("step") or 0, model_config=c.to_dict(), optimizer=None, train=None,
-                data=None, imported_from=str(folder), rtrainer_version=rtrainer.__version__, commit=saved.get("trained_at_commit"))
-    return tensors, meta
+    return dict(format=CHECKPOINT_FORMAT, step=saved.get("step") or 0, model_config=model_config_from_hf(cfg, folder).to_dict(),
+                optimizer=None, train=None, data=None, imported_from=str(folder), rtrainer_version=rtrainer.__version__,
+                commit=saved.get("trained_at_commit"))
+
+def read_hf_folder(folder):
+    "(tensors, metadata) of a transformers Llama or Mixtral folder, as a weights-only rtrainer checkpoint."
+    meta = read_hf_metadata(folder)
+    return from_hf_tensors(read_hf_tensors(folder), ModelConfig.from_dict(meta["model_config"]), folder), meta
 
 # %% ../nbs/08a_export.ipynb #51592d93
 def add_export_arguments(p):
@@ -392,7 +399,7 @@ def size_of(path): return Path(path).stat().st_size
 def read_any_checkpoint_metadata(path):
     "The metadata of any checkpoint `read_any_checkpoint` reads, reading as few tensors as it can."
     kind = checkpoint_kind(path)
-    if kind == "hf": return read_hf_folder(path)[1]
+    if kind == "hf": return read_hf_metadata(path)
     if kind == "dcp": return json.loads(resolve_distributed_checkpoint(path)[1].read_text())
     return checkpoint_metadata_only(path)
 
