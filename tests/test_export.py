@@ -12,7 +12,7 @@ from rtrainer.export import (checkpoint_kind, read_any_checkpoint, export_file, 
 from rtrainer.model import ModelConfig, TransformerLm, model_config, generate
 from rtrainer.optimizer import AdamW
 from rtrainer.tokenization import prepare_corpus, get_tokenizer
-from rtrainer.training import TrainingData, save_checkpoint, read_checkpoint, load_model
+from rtrainer.training import Trainer, TrainConfig, TrainingData, save_checkpoint, read_checkpoint, load_model
 
 RTRAINER = [sys.executable, "-m", "rtrainer"]
 MOE = dict(shared_expert=False, moe_layers=(), moe_dispatch="dropless")     # what MixtralForCausalLM computes
@@ -86,6 +86,10 @@ def test_every_checkpoint_form_reads_and_exports_tensor_equal(tmp_path):
     full, meta = read_checkpoint(gathered)
     moments = [k for k in source if k.startswith("optim.")]
     assert moments and all(torch.equal(full[k], source[k]) for k in moments) and meta["optimizer"]["step_count"] == 1
+    resumed = Trainer(TrainConfig(data="synthetic", steps=6, batch_size=2, seq_len=16, resume=str(gathered), out_dir=str(tmp_path / "r"),
+                                  progress=False, device="cpu"), model.config, log=lambda *a: None)      # --resume on one process
+    assert resumed.step == 5 and resumed.optimizer.step_count == 1
+    assert all(torch.equal(p, q) for p, q in zip(resumed.model.parameters(), model.parameters()))
 
 
 def test_bf16_export_follows_the_precision_policy(tmp_path):
