@@ -16,8 +16,9 @@ SUBCOMMANDS = {
     # name:      (module,                 help)
     "prepare":   ("rtrainer.tokenization", "turn a text corpus into TOK1 token shards"),
     "train":     ("rtrainer.cli",          "train a model (no arguments: the bundled demo); --nproc N for N GPUs"),
-    "eval":      ("rtrainer.training",     "held-out loss and perplexity of a checkpoint"),
-    "generate":  ("rtrainer.training",     "sample text from a checkpoint"),
+    "eval":      ("rtrainer.export",       "held-out loss and perplexity of a checkpoint"),
+    "generate":  ("rtrainer.export",       "sample text from a checkpoint"),
+    "export":    ("rtrainer.export",       "a checkpoint as one safetensors file (--quantize int8) or a transformers folder (--format hf)"),
     "doctor":    ("rtrainer.kernels",      "versions, GPU, and a self-checking vecadd"),
     "bench":     ("rtrainer.cli",          "benchmark a kernel, every op against its reference, or a step's GEMMs"),
     "sweep":     ("rtrainer.kernels",      "run a kernel under several tuning-knob settings"),
@@ -41,6 +42,8 @@ def run_train(args):
     if args.nproc > 1:
         from rtrainer.distributed import launch_torchrun
         return launch_torchrun(args.nproc, args.argv)
+    from rtrainer.export import init_from_checkpoint_file
+    args = init_from_checkpoint_file(args)   # --init-from a transformers folder or an int8 export: converted to a checkpoint file
     if "WORLD_SIZE" in os.environ or args.dp:
         from rtrainer.distributed import run_distributed_train
         return run_distributed_train(args)

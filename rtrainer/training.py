@@ -534,9 +534,9 @@ class Trainer:
         return self.history
 
 # %% ../nbs/06_training.ipynb #b1fb9bdf
-def load_model(checkpoint, device="auto", impl="auto"):
-    "(model, metadata) rebuilt from a checkpoint's own config, weights loaded."
-    tensors, meta = read_checkpoint(checkpoint)
+def load_model(checkpoint, device="auto", impl="auto", read=read_checkpoint):
+    "(model, metadata) rebuilt from a checkpoint's own config, weights loaded; `read(path)` gives its (tensors, metadata)."
+    tensors, meta = read(checkpoint)
     device = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = ModelConfig.from_dict({**meta["model_config"], "impl": impl})
     model = TransformerLm(cfg, device=device)
@@ -715,9 +715,9 @@ def add_eval_arguments(p):
     p.add_argument("--max-batches", type=int, default=0, help="0: the whole held-out shard")
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
 
-def run_eval(args):
-    "`rtrainer eval`: held-out loss and perplexity of a checkpoint."
-    model, meta = load_model(args.checkpoint, args.device)
+def run_eval(args, read=read_checkpoint):
+    "`rtrainer eval`: held-out loss and perplexity of a checkpoint (`read`: its reader; the export chapter passes one for every form)."
+    model, meta = load_model(args.checkpoint, args.device, read=read)
     seq_len = args.seq_len or (meta.get("train") or {}).get("seq_len") or 64
     data = TrainingData(args.data, 0, model.config.vocab_size)
     if not data.val: raise ValueError(f"{args.data}: no held-out shard in the manifest")
@@ -734,9 +734,9 @@ def add_generate_arguments(p):
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
 
-def run_generate(args):
-    "`rtrainer generate`: print the prompt and its continuation."
-    model, _ = load_model(args.checkpoint, args.device)
+def run_generate(args, read=read_checkpoint):
+    "`rtrainer generate`: print the prompt and its continuation (`read` as for `run_eval`)."
+    model, _ = load_model(args.checkpoint, args.device, read=read)
     tok = get_tokenizer()
     ids = generate(model, tok.encode_ordinary(args.prompt) or [EOT_ID], args.max_new_tokens, args.temperature, args.top_k, args.seed)
     print(args.prompt + tok.decode(ids))
