@@ -185,15 +185,17 @@ def test_bundled_python_docs_corpus(tmp_path, capsys):
 
 # ---------------------------------------------------------------- atomic writing and resume
 
-def test_interrupted_prepare_keeps_complete_shards_and_finishes_identically(tmp_path, monkeypatch, rng):
+def test_interrupted_prepare_keeps_the_old_dataset_and_finishes_identically(tmp_path, monkeypatch, rng):
+    "Interrupted, `prepare` leaves the dataset that was there whole; run again, it moves the shards it had staged into place."
     monkeypatch.setattr(tk, "ENCODE_TASK_CHARS", 300)     # small tasks, so shards complete before the interruption
     jsonl = write_jsonl(tmp_path / "c.jsonl", random_documents(rng, 300))
     arguments = dict(name="c", val_tokens=500, shard_tokens=2003, progress=False)
     tk.prepare_corpus("jsonl", [jsonl], tmp_path / "fresh", **arguments)
 
-    out = tmp_path / "resumed"; out.mkdir()
-    (out / "manifest.json").write_text("{}")                  # an earlier run's manifest must not survive a new run
-    (out / ".c-train-00007.tok.tmp").write_bytes(b"junk")     # and neither must a crashed run's temporary file
+    out = tmp_path / "resumed"
+    tk.prepare_corpus("jsonl", [write_jsonl(tmp_path / "old.jsonl", random_documents(rng, 60))], out, **arguments)
+    old = folder_bytes(out)                                   # the dataset an interrupted run must not damage
+    (out / ".c-train-00007.tok.tmp").write_bytes(b"junk")     # a temporary file that an older version's crash left
     real = tk.jsonl_documents
     def interrupted(paths, text_field="text"):
         for i, text in enumerate(real(paths, text_field)):
@@ -203,14 +205,16 @@ def test_interrupted_prepare_keeps_complete_shards_and_finishes_identically(tmp_
     with pytest.raises(KeyboardInterrupt):
         tk.prepare_corpus("jsonl", [jsonl], out, **arguments)
     monkeypatch.setattr(tk, "jsonl_documents", real)
-    complete = sorted(p.name for p in out.iterdir() if p.name.endswith(".tok") and not p.name.startswith("."))
-    assert len(complete) >= 3 and not (out / "manifest.json").exists()
-    assert not any(p.name.endswith(".tmp") and p.name != ".c-train-00007.tok.tmp" for p in out.iterdir())
-    for name in complete: TokenFile.open(out / name).verify()  # whatever is named like a shard is whole
-    before = {name: (out / name).stat() for name in complete}
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != ".c-train-00007.tok.tmp"} == old
+    assert tk.read_dataset(out)["manifest"]["documents"] == 60
+    staging = out / tk.STAGING_NAME
+    complete = sorted(p.name for p in staging.iterdir() if p.name.endswith(".tok") and not p.name.startswith("."))
+    assert len(complete) >= 3 and not any(p.name.endswith(".tmp") for p in staging.iterdir())
+    for name in complete: TokenFile.open(staging / name).verify()  # whatever is named like a shard is whole
+    before = {name: (staging / name).stat() for name in complete}
 
     tk.prepare_corpus("jsonl", [jsonl], out, **arguments)
-    for name, stat in before.items():                         # complete shards were kept, not rewritten
+    for name, stat in before.items():                         # staged shards were moved into place, not rewritten
         assert (out / name).stat().st_ino == stat.st_ino and (out / name).stat().st_mtime_ns == stat.st_mtime_ns
     assert folder_bytes(out) == folder_bytes(tmp_path / "fresh")
 
