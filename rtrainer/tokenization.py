@@ -351,18 +351,25 @@ class ShardWriter:
         self.file.write(bytes(HEADER_BYTES))  # placeholder until the count and CRC are known
         self.token_count, self.crc32 = 0, 0
 
+    def _named(self, e: OSError) -> OSError:
+        "An error of the file system (a full disk, say) that names the shard it was writing."
+        return OSError(e.errno, e.strerror, str(self.path)) if e.filename is None and e.strerror else e
+
     def write(self, tokens: np.ndarray):
         "Append tokens (any integer array with values below 65536)."
         tokens = np.ascontiguousarray(tokens, dtype=TOKEN_DTYPE)
-        self.file.write(tokens.data)
+        try: self.file.write(tokens.data)
+        except OSError as e: raise self._named(e) from None
         self.crc32 = zlib.crc32(tokens.data, self.crc32)
         self.token_count += tokens.size
 
     def finish(self) -> dict:
         "Write the header, fsync, and move the shard into place (or keep an identical existing one)."
-        self.file.seek(0)
-        self.file.write(pack_header(self.token_count, self.crc32))
-        self.file.flush(); os.fsync(self.file.fileno()); self.file.close()
+        try:
+            self.file.seek(0)
+            self.file.write(pack_header(self.token_count, self.crc32))
+            self.file.flush(); os.fsync(self.file.fileno()); self.file.close()
+        except OSError as e: raise self._named(e) from None
         kept = _holds_shard(self.path, self.token_count, self.crc32)
         if kept: self.temp_path.unlink()
         else:
@@ -372,7 +379,8 @@ class ShardWriter:
 
     def abort(self):
         "Close and delete the temporary file."
-        if not self.file.closed: self.file.close()
+        try: self.file.close()
+        except OSError: pass      # the buffered rest of a file that could not be written: it is deleted anyway
         self.temp_path.unlink(missing_ok=True)
 
 # %% ../nbs/00_tokenization.ipynb #b3a9f168
@@ -676,10 +684,11 @@ class TokenFile:
 
 def _manifest_error(path: Path, what: str): return ValueError(f"{path}: {what}; prepare the data again with `rtrainer prepare`")
 
-def read_dataset(folder: str | Path, seed: int = 0, verify: bool = True) -> dict:
+def read_dataset(folder: str | Path, seed: int = 0, verify: bool | tuple = True) -> dict:
     """The manifest of a prepared folder checked against its files: {'manifest', 'train', 'val'} (lists of `TokenFile`).
-    Every shard the manifest lists must exist with the count and CRC it records; with `verify` each payload is read
-    once to check its CRC and that every id is in the vocabulary. Errors are one line naming the file."""
+    Every shard the manifest lists must exist with the count and CRC it records; with `verify` (True, or the splits to
+    verify, e.g. ('val',)) each payload is read once to check its CRC and that every id is in the vocabulary. Errors
+    are one line naming the file."""
     folder = Path(folder)
     path = folder / MANIFEST_NAME
     if not path.is_file():
@@ -707,7 +716,7 @@ def read_dataset(folder: str | Path, seed: int = 0, verify: bool = True) -> dict
         if (len(token_file), token_file.crc32) != (shard["tokens"], shard["crc32"]):
             raise ValueError(f"{folder / name}: holds {len(token_file):,} tokens with CRC-32 {token_file.crc32:08x}, but {path} "
                              f"records {shard['tokens']:,} tokens with CRC-32 {shard['crc32']:08x}; prepare the data again")
-        if verify: token_file.verify()
+        if verify is True or shard["split"] in (verify or ()): token_file.verify()
         opened[shard["split"]].append(token_file); totals[shard["split"]] += len(token_file)
     recorded = {"tokens": totals["train"] + totals["val"], "train_tokens": totals["train"], "val_tokens": totals["val"]}
     for key, count in recorded.items():

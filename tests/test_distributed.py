@@ -110,9 +110,11 @@ def test_only_rank_zero_writes(runs):
 
 def test_checkpoint_metadata_matches_single_process(runs):
     meta = json.loads((runs / "two" / "checkpoints" / "step-00000020.json").read_text())
-    assert meta["format"] == "rtrainer-checkpoint-1" and meta["step"] == 20 and meta["world_size"] == 2
+    assert meta["format"] == "rtrainer-checkpoint-2" and meta["step"] == 20 and meta["world_size"] == 2
     assert meta["optimizer"]["step_count"] == 20 and meta["model_config"]["vocab_size"] == 512
-    assert (runs / "two" / "checkpoints" / "step-00000020" / ".metadata").exists()
+    folder = runs / "two" / "checkpoints" / "step-00000020"
+    assert (folder / "index.json").exists() and not (folder / ".metadata").exists()   # DCP's index as JSON, no pickle
+    assert set(meta["checksums"]["files"]) == {p.name for p in folder.iterdir()}
 
 @pytest.fixture(scope="module")
 def reloaded(runs):

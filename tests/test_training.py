@@ -63,7 +63,8 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     def crash(*a, **k): raise OSError("simulated crash before rename")
     monkeypatch.setattr(training.os, "replace", crash)
     with torch.no_grad(): next(t.model.parameters()).add_(1.0)
-    with pytest.raises(OSError, match="simulated"): save_checkpoint(path, t.model, t.optimizer, 2, t.cfg)
+    with pytest.raises(FileExistsError, match="never rewrites"): save_checkpoint(path, t.model, t.optimizer, 2, t.cfg)
+    with pytest.raises(OSError, match="simulated"): save_checkpoint(path, t.model, t.optimizer, 2, t.cfg, overwrite=True)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     _, meta = read_checkpoint(path); assert meta["step"] == 1
