@@ -696,6 +696,7 @@ class Trainer:
         if self.last_checkpoint == path: return path         # saved at this step already (a signal right after a checkpoint)
         self.refuse_non_finite()
         try: save_checkpoint(path, self.model, self.optimizer, self.step, self.cfg, extra=self.checkpoint_extra())
+        except FileExistsError: raise
         except OSError as e:
             why = f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e)
             raise OSError(f"step {self.step}: the checkpoint was not saved ({why}); {self.checkpoint_note()}") from None
