@@ -602,14 +602,14 @@ def read_distributed_checkpoint(path, verify=True):
             raise ValueError(f"{folder}: its DCP index is a pickle (.metadata, written by an rtrainer before JSON indexes), "
                              "which can run code when read; rtrainer does not read it")
         raise FileNotFoundError(f"{folder}: no {DCP_INDEX_NAME} (incomplete save?)")
-    sums = meta.get("checksums")
-    if not (isinstance(sums, dict) and isinstance(sums.get("files"), dict)): raise ValueError(f"{meta_path}: no checksums in its metadata")
-    if sums.get("metadata") != metadata_digest(meta): raise ValueError(f"{meta_path}: its metadata does not match its checksum (edited or damaged)")
-    if file_crc32(index_path) != sums["files"].get(DCP_INDEX_NAME): raise ValueError(f"{index_path}: does not match its CRC-32 (edited or damaged)")
     try: index = json.loads(index_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e: raise ValueError(f"{index_path}: not valid JSON ({e})") from None
     dcp_metadata(index, index_path)
     check_tensors_match_config({k: t["size"] for k, t in index["tensors"].items()}, meta["model_config"], meta_path)
+    sums = meta.get("checksums")
+    if not (isinstance(sums, dict) and isinstance(sums.get("files"), dict)): raise ValueError(f"{meta_path}: no checksums in its metadata")
+    if sums.get("metadata") != metadata_digest(meta): raise ValueError(f"{meta_path}: its metadata does not match its checksum (edited or damaged)")
+    if file_crc32(index_path) != sums["files"].get(DCP_INDEX_NAME): raise ValueError(f"{index_path}: does not match its CRC-32 (edited or damaged)")
     for name in sorted({s["file"] for s in index["storage"]} | set(sums["files"])):
         if name not in sums["files"]: raise ValueError(f"{folder / name}: not in the checkpoint's checksums")
         if not (folder / name).is_file(): raise FileNotFoundError(f"{folder / name}: missing from the checkpoint")

@@ -219,27 +219,43 @@ def _place_file(tmp, path, overwrite):
         if path.exists(): raise FileExistsError(f"{path}: exists already; rtrainer never rewrites a checkpoint") from None
         os.replace(tmp, path)
 
+def _process_alive(pid):
+    try: os.kill(pid, 0)
+    except ProcessLookupError: return False
+    except OSError: return True          # alive, another user's
+    return True
+
 def atomic_save_safetensors(tensors, path, metadata, overwrite=False):
     """Write tensors + string metadata to path through a fsynced temporary file and a rename; an existing file at
-    `path` is refused unless `overwrite`. A failure leaves no temporary file."""
+    `path` is refused unless `overwrite`. The temporary file lies in a hidden folder of its own (`.NAME.tmp-PID/`, where
+    safetensors also puts its own temporary file), so that a failure or a kill leaves one thing to remove: it is removed
+    here on failure, and by the next save to `path` or the next run in that folder after a kill."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if not overwrite and path.exists(): raise FileExistsError(f"{path}: exists already; rtrainer never rewrites a checkpoint")
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    for old in path.parent.glob(f".{path.name}.tmp-*"):           # a killed save's, if its process is gone
+        if not old.name.rsplit("-", 1)[1].isdigit() or not _process_alive(int(old.name.rsplit("-", 1)[1])):
+            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
+    folder = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    shutil.rmtree(folder, ignore_errors=True); folder.mkdir()
+    tmp = folder / path.name
     try:
         try: save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
         except SafetensorError as e: raise OSError(f"{path}: could not be written ({e})") from None   # a full disk, say
         with open(tmp, "rb") as f: os.fsync(f.fileno())
         _place_file(tmp, path, overwrite)
-    finally:
-        if tmp.exists(): tmp.unlink()
+    finally: shutil.rmtree(folder, ignore_errors=True)
     _fsync_dir(path.parent)
     return path
 
+_SAFETENSORS_TEMP = re.compile(r"\.tmp[A-Za-z0-9_]{6}")   # safetensors' own temporary file, which earlier versions left beside checkpoints
+
 def remove_temporary_checkpoints(folder):
-    "Delete what interrupted saves left in `folder` (`.step-*.tmp-PID` files, `.step-*.tmp` folders); returns their names."
+    """Delete what interrupted saves left in `folder` (`.step-*.tmp-PID` files and folders, `.step-*.tmp` folders, and
+    safetensors' `.tmpXXXXXX` files); returns their names. Call it only while holding the folder's run lock."""
     folder, gone = Path(folder), []
-    for leftover in folder.glob(".step-*.tmp*") if folder.is_dir() else []:
+    for leftover in sorted(folder.iterdir()) if folder.is_dir() else []:
+        if not (leftover.name.startswith(".step-") and ".tmp" in leftover.name or _SAFETENSORS_TEMP.fullmatch(leftover.name)): continue
         if leftover.is_dir(): shutil.rmtree(leftover, ignore_errors=True)
         else: leftover.unlink(missing_ok=True)
         gone.append(leftover.name)
@@ -1036,9 +1052,10 @@ def train_config_from_args(args, log=print):
         else:
             base = Path("runs") / Path(args.model).stem
             given["out_dir"] = str(free_run_folder(base))
-            if given["out_dir"] != str(base) and int(os.environ.get("RANK", 0)) == 0:
-                log(f"{base} holds another run: this run writes to {given['out_dir']} (--out-dir chooses)")
-    return TrainConfig(**given).validate()
+            moved = given["out_dir"] != str(base) and int(os.environ.get("RANK", 0)) == 0
+    config = TrainConfig(**given).validate()
+    if locals().get("moved"): log(f"{base} holds another run: this run writes to {config.out_dir} (--out-dir chooses)")
+    return config
 
 def model_config_from_args(args, seq_len):
     overrides = {k: getattr(args, k, None) for k in SHAPE_OVERRIDES}

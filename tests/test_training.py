@@ -427,10 +427,12 @@ def test_sigterm_saves_at_the_next_step_boundary(tmp_path, monkeypatch, capsys):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # the run put the handler back
     monkeypatch.setattr(training.Trainer, "train_step", real)
 
-    leftovers = [path.parent / f".step-{step + 1:08d}.safetensors.tmp-4242", path.parent / f".step-{step + 1:08d}.tmp"]
-    leftovers[0].write_bytes(b"\0" * 4096); leftovers[1].mkdir()                 # what a kill during a save leaves
-    assert cli(*flags, "--steps", step + 1, "--resume", path) == 0
-    assert "removed 2 temporary file(s) of an interrupted save" in capsys.readouterr().out and not any(p.exists() for p in leftovers)
+    leftovers = [path.parent / f".step-{step + 1:08d}.safetensors.tmp-4242", path.parent / f".step-{step + 1:08d}.tmp", path.parent / ".tmpAb3dEf"]
+    leftovers[1].mkdir(); (leftovers[1] / "__0_0.distcp").write_bytes(b"\0" * 4096)     # what kills during saves leave: a DCP
+    leftovers[0].mkdir(); (leftovers[0] / ".tmpQ1w2E3").write_bytes(b"\0" * 4096)     # folder, a save's folder holding
+    leftovers[2].write_bytes(b"\0" * 4096)                                          # safetensors' temporary file, or that file
+    assert cli(*flags, "--steps", step + 1, "--resume", path) == 0                  # alone (earlier versions)
+    assert "removed 3 temporary file(s) of an interrupted save" in capsys.readouterr().out and not any(p.exists() for p in leftovers)
     assert read_checkpoint(path.parent)[1]["step"] == step + 1
 
 
