@@ -27,7 +27,7 @@ from .tokenization import vocab_path, EOT_ID, VOCAB_SIZE
 from .kernels import git_commit
 from .optimizer import parameter_kind, policy_dtype
 from .model import ModelConfig
-from .training import (CHECKPOINT_FORMAT, read_checkpoint, resolve_checkpoint, atomic_save_safetensors,
+from .training import (CHECKPOINT_FORMAT, read_checkpoint, resolve_checkpoint, atomic_save_safetensors, seal_metadata,
                                train_config_from_args)
 import rtrainer.training as training
 from .distributed import resolve_distributed_checkpoint, export_checkpoint
@@ -61,8 +61,7 @@ def read_any_checkpoint(path):
     if kind == "dcp":
         with tempfile.TemporaryDirectory(prefix="rtrainer-gather-") as tmp:
             tensors, meta = read_checkpoint(export_checkpoint(path, Path(tmp) / "gathered.safetensors"))
-    else: tensors, meta = read_checkpoint(path)
-    if (meta.get("weights") or {}).get("quantization"): tensors = dequantize_weights(tensors, meta)   # an int8 export (below)
+    else: tensors, meta = read_checkpoint(path, transform=lambda t, m: dequantize_weights(t, m))   # int8: dequantized (below)
     return tensors, meta
 
 # %% ../nbs/08a_export.ipynb #4b3c1d9e
@@ -78,7 +77,7 @@ def export_weights(tensors, dtype="keep"):
 def export_file(checkpoint, out, dtype="keep", quantize=None, with_optimizer=False):
     "Write `checkpoint`'s weights (or, `with_optimizer`, its whole state) to one safetensors file `out`; returns its path."
     tensors, meta = read_any_checkpoint(checkpoint)
-    meta = {k: v for k, v in meta.items() if k not in ("weights", "exported")}    # an export of an export describes itself afresh
+    meta = {k: v for k, v in meta.items() if k not in ("weights", "exported", "checksums")}   # an export describes itself afresh
     if with_optimizer:
         if quantize or dtype != "keep": raise ValueError("--with-optimizer keeps the checkpoint as saved: it takes no --dtype or --quantize")
         if not any(k.startswith("optim.") for k in tensors): raise ValueError(f"{checkpoint}: holds no optimizer state to keep")
@@ -89,7 +88,8 @@ def export_file(checkpoint, out, dtype="keep", quantize=None, with_optimizer=Fal
     meta["exported"] = dict(source=str(checkpoint), dtype=dtype, weights_only=not with_optimizer,
                             rtrainer_version=rtrainer.__version__, commit=git_commit())
     if quantized: meta["weights"] = dict(quantization=INT8_SCHEME, quantized=quantized)
-    return atomic_save_safetensors(weights, out, {"rtrainer": json.dumps(meta, default=list)})
+    meta["format"] = CHECKPOINT_FORMAT
+    return atomic_save_safetensors(weights, out, {"rtrainer": json.dumps(seal_metadata(meta, weights))})   # checked on load
 
 # %% ../nbs/08a_export.ipynb #0a6f5c61
 def quantization_axis(name):
@@ -395,7 +395,7 @@ def run_export(args):
         return 0
     check_output(args.out, args.force)
     out = export_file(args.checkpoint, args.out, args.dtype, args.quantize, args.with_optimizer)
-    _, meta = read_checkpoint(out)
+    _, meta = read_any_checkpoint(out)                                   # read back as a reader will: checked, dequantized
     what = "weights and optimizer state" if args.with_optimizer else f"weights, {args.quantize or args.dtype}"
     print(f"wrote {out} ({what}, {size_of(out) / 1e6:.1f} MB) from step {meta.get('step')}")
     return 0

@@ -8,17 +8,18 @@ Docs: https://example.invalid/rtrainer/rtrainer/tokenization.html.md"""
 __all__ = ['EOT_ID', 'VOCAB_SIZE', 'VOCAB_FILE_NAME', 'VOCAB_SHA256', 'PYTHON_DOCS_MODULES', 'PARQUET_BATCH_ROWS',
            'INPUT_SUFFIXES', 'WIKI_REPO', 'WIKI_CONFIG', 'SOURCES', 'ENCODE_TASK_CHARS', 'TASKS_AHEAD_PER_WORKER',
            'TOKEN_DTYPE', 'MAGIC', 'FORMAT_VERSION', 'TOKEN_BYTES', 'HEADER_BYTES', 'HEADER', 'READ_BLOCK_BYTES',
-           'DEFAULT_VAL_TOKENS', 'DEFAULT_SHARD_TOKENS', 'SMALL_CORPUS_VAL_FRACTION', 'MANIFEST_NAME', 'IGNORE_INDEX',
-           'vocab_path', 'get_tokenizer', 'module_document', 'python_docs_documents', 'find_input_files',
-           'text_documents', 'jsonl_documents', 'check_parquet_file', 'parquet_documents', 'wiki_parquet_files',
-           'open_source', 'default_workers', 'encode_documents', 'pack_header', 'read_header', 'payload_crc32',
-           'ShardWriter', 'shard_name', 'write_token_shards', 'prepare_output_folder', 'prepare_corpus',
-           'format_summary', 'TokenFile', 'supervised_batch', 'load_sft_jsonl', 'add_prepare_arguments', 'run_prepare',
+           'DEFAULT_VAL_TOKENS', 'DEFAULT_SHARD_TOKENS', 'SMALL_CORPUS_VAL_FRACTION', 'MANIFEST_NAME', 'STAGING_NAME',
+           'PREPARE_LOCK_NAME', 'IGNORE_INDEX', 'vocab_path', 'get_tokenizer', 'module_document',
+           'python_docs_documents', 'find_input_files', 'text_documents', 'jsonl_documents', 'check_parquet_file',
+           'parquet_documents', 'wiki_parquet_files', 'open_source', 'default_workers', 'encode_documents',
+           'pack_header', 'read_header', 'scan_payload', 'payload_crc32', 'ShardWriter', 'shard_name',
+           'write_token_shards', 'FolderLock', 'prepare_output_folder', 'prepare_corpus', 'format_summary', 'TokenFile',
+           'read_dataset', 'supervised_batch', 'load_sft_jsonl', 'add_prepare_arguments', 'run_prepare',
            'benchmark_prepare_speed']
 
 # %% ../nbs/00_tokenization.ipynb #0b6e04df
 import argparse, array, datetime, fnmatch, functools, hashlib, importlib, importlib.resources, inspect, itertools
-import json, math, os, platform, re, statistics, struct, subprocess, sys, tempfile, time, warnings, zlib
+import errno, fcntl, json, math, os, platform, re, shutil, statistics, struct, subprocess, sys, tempfile, time, warnings, zlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -126,10 +127,12 @@ def find_input_files(inputs: Iterable[str | Path], suffixes: tuple[str, ...]) ->
     return files
 
 def text_documents(paths: Iterable[Path]) -> Iterator[str]:
-    "Each file is one document (UTF-8)."
+    "Each file is one document (UTF-8 text: a NUL character marks a binary file, which is refused)."
     for path in paths:
-        try: yield Path(path).read_text(encoding="utf-8")
+        try: text = Path(path).read_text(encoding="utf-8")
         except UnicodeDecodeError as e: raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        if (at := text.find("\0")) >= 0: raise ValueError(f"{path}: a NUL character at offset {at}: binary data, not text")
+        yield text
 
 def jsonl_documents(paths: Iterable[Path], text_field: str = "text") -> Iterator[str]:
     "One document per JSON line, from the string field `text_field`; blank lines are skipped."
@@ -147,6 +150,7 @@ def jsonl_documents(paths: Iterable[Path], text_field: str = "text") -> Iterator
                     text = record[text_field]
                     if text is not None and not isinstance(text, str):
                         raise ValueError(f"{path}:{line_number}: field {text_field!r} is a {type(text).__name__}, not a string")
+                    if text and "\0" in text: raise ValueError(f"{path}:{line_number}: field {text_field!r} holds a NUL character: binary data, not text")
                     yield text
             except UnicodeDecodeError as e:
                 raise ValueError(f"{path}:{line_number + 1}: not UTF-8 text ({e.reason})") from None
@@ -309,13 +313,20 @@ def read_header(path: str | Path) -> dict:
         raise ValueError(f"{path}: {size - expected:,} unexpected bytes after the {count:,} tokens its header promises")
     return {"tokens": count, "crc32": crc}
 
-def payload_crc32(path: str | Path) -> int:
-    "CRC-32 of a shard's token payload, read in blocks."
-    crc = 0
+def scan_payload(path: str | Path) -> tuple[int, int]:
+    "(CRC-32, largest token id or -1 if none) of a shard's token payload, in one pass of blocks."
+    crc, largest, block = 0, -1, bytearray(READ_BLOCK_BYTES)
     with open(path, "rb") as f:
         f.seek(HEADER_BYTES)
-        while block := f.read(READ_BLOCK_BYTES): crc = zlib.crc32(block, crc)
-    return crc
+        while size := f.readinto(block):
+            view = memoryview(block)[:size]
+            crc = zlib.crc32(view, crc)
+            if size >= TOKEN_BYTES: largest = max(largest, int(np.frombuffer(view[:size - size % TOKEN_BYTES], dtype=TOKEN_DTYPE).max()))
+    return crc, largest
+
+def payload_crc32(path: str | Path) -> int:
+    "CRC-32 of a shard's token payload, read in blocks."
+    return scan_payload(path)[0]
 
 # %% ../nbs/00_tokenization.ipynb #2e652980
 def _fsync_folder(folder: Path):
@@ -340,18 +351,25 @@ class ShardWriter:
         self.file.write(bytes(HEADER_BYTES))  # placeholder until the count and CRC are known
         self.token_count, self.crc32 = 0, 0
 
+    def _named(self, e: OSError) -> OSError:
+        "An error of the file system (a full disk, say) that names the shard it was writing."
+        return OSError(e.errno, e.strerror, str(self.path)) if e.filename is None and e.strerror else e
+
     def write(self, tokens: np.ndarray):
         "Append tokens (any integer array with values below 65536)."
         tokens = np.ascontiguousarray(tokens, dtype=TOKEN_DTYPE)
-        self.file.write(tokens.data)
+        try: self.file.write(tokens.data)
+        except OSError as e: raise self._named(e) from None
         self.crc32 = zlib.crc32(tokens.data, self.crc32)
         self.token_count += tokens.size
 
     def finish(self) -> dict:
         "Write the header, fsync, and move the shard into place (or keep an identical existing one)."
-        self.file.seek(0)
-        self.file.write(pack_header(self.token_count, self.crc32))
-        self.file.flush(); os.fsync(self.file.fileno()); self.file.close()
+        try:
+            self.file.seek(0)
+            self.file.write(pack_header(self.token_count, self.crc32))
+            self.file.flush(); os.fsync(self.file.fileno()); self.file.close()
+        except OSError as e: raise self._named(e) from None
         kept = _holds_shard(self.path, self.token_count, self.crc32)
         if kept: self.temp_path.unlink()
         else:
@@ -361,7 +379,8 @@ class ShardWriter:
 
     def abort(self):
         "Close and delete the temporary file."
-        if not self.file.closed: self.file.close()
+        try: self.file.close()
+        except OSError: pass      # the buffered rest of a file that could not be written: it is deleted anyway
         self.temp_path.unlink(missing_ok=True)
 
 # %% ../nbs/00_tokenization.ipynb #b3a9f168
@@ -458,14 +477,45 @@ def write_token_shards(documents: Iterable[str], out_dir: str | Path, name: str,
 
 # %% ../nbs/00_tokenization.ipynb #7b1bf0a6
 MANIFEST_NAME = "manifest.json"
+STAGING_NAME = ".prepare-staging"    # where a `prepare` writes its shards until the whole dataset is there
+PREPARE_LOCK_NAME = ".prepare.lock"  # held by the one `prepare` writing into a folder
 _NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 def _write_json_atomically(path: Path, data: dict):
     temp = path.with_name(f".{path.name}.tmp")
-    with open(temp, "w") as f:
-        f.write(json.dumps(data, indent=2) + "\n"); f.flush(); os.fsync(f.fileno())
-    os.replace(temp, path)
+    try:
+        with open(temp, "w") as f:
+            f.write(json.dumps(data, indent=2) + "\n"); f.flush(); os.fsync(f.fileno())
+        os.replace(temp, path)
+    finally: temp.unlink(missing_ok=True)
     _fsync_folder(path.parent)
+
+class FolderLock:
+    """An exclusive lock on `path` (flock, released when the process ends however it ends) that refuses at once with
+    `busy` when another process holds it; the lock file is removed on release."""
+    def __init__(self, path: str | Path, busy: str):
+        self.path, self.busy, self.fd = Path(path), busy, None
+
+    def __enter__(self) -> "FolderLock":
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES): raise FileExistsError(self.busy) from None
+                raise
+            try: same = os.fstat(fd).st_ino == os.stat(self.path).st_ino   # not a file its last holder removed meanwhile
+            except FileNotFoundError: same = False
+            if same: break
+            os.close(fd)
+        os.ftruncate(fd, 0); os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is None: return
+        self.path.unlink(missing_ok=True)   # while still held: a waiting process then finds the file gone and retries
+        os.close(self.fd); self.fd = None
 
 def prepare_output_folder(out_dir: str | Path) -> Path:
     "Create the output folder if needed and check that it can be written; errors name the folder."
@@ -488,11 +538,29 @@ def _check_count(flag: str, value, minimum: int, allow_none: bool = False):
 def _shard_pattern(name: str) -> re.Pattern:
     return re.compile(rf"{re.escape(name)}-(train|val)-\d{{5}}\.tok")
 
+def _commit_shards(staging: Path, out_dir: Path, name: str, shards: list[dict], manifest: dict):
+    """Move a complete staged dataset into `out_dir`: an identical shard already there is kept (not rewritten), the
+    old manifest goes before the first shard is replaced, the new one comes last, then stale shards of this name go."""
+    manifest_path = out_dir / MANIFEST_NAME
+    for shard in shards:
+        staged, final = staging / shard["file"], out_dir / shard["file"]
+        shard["kept"] = _holds_shard(final, shard["tokens"], shard["crc32"])
+        if shard["kept"]: staged.unlink(); continue
+        manifest_path.unlink(missing_ok=True)   # from here until the new manifest lands the folder reads as incomplete
+        os.replace(staged, final)
+    _fsync_folder(out_dir)
+    _write_json_atomically(manifest_path, manifest)
+    written = {s["file"] for s in shards}
+    for stale in out_dir.iterdir():
+        if _shard_pattern(name).fullmatch(stale.name) and stale.name not in written: stale.unlink()
+
 def prepare_corpus(source: str, inputs: Iterable[str | Path], out_dir: str | Path, name: str | None = None,
                    val_tokens: int = DEFAULT_VAL_TOKENS, shard_tokens: int = DEFAULT_SHARD_TOKENS,
                    limit_files: int | None = None, limit_articles: int | None = None, workers: int | None = None,
                    text_field: str = "text", progress: bool = True) -> dict:
-    "Turn a source into TOK1 shards and a manifest in `out_dir`; prints a summary when `progress`; returns the manifest."
+    """Turn a source into TOK1 shards and a manifest in `out_dir`; prints a summary when `progress`; returns the manifest.
+    The shards are written into a staging folder inside `out_dir` and replace the dataset there only once all of them
+    are complete: a failed run leaves the folder as it was. One `prepare` at a time may write into a folder."""
     start = time.perf_counter()
     name = source if name is None else name
     if not _NAME_PATTERN.fullmatch(name): raise ValueError(f"--name {name!r}: use letters, digits, '.', '_' and '-' only")
@@ -502,26 +570,31 @@ def prepare_corpus(source: str, inputs: Iterable[str | Path], out_dir: str | Pat
     workers = workers or default_workers()
     documents, input_names = open_source(source, inputs, text_field, limit_files, limit_articles)
     out_dir = prepare_output_folder(out_dir)
-    for leftover in out_dir.iterdir():
-        if leftover.name.startswith(".") and leftover.name.endswith(".tmp") and _shard_pattern(name).fullmatch(leftover.name[1:-4]):
-            leftover.unlink()   # the temporary file of a shard that an interrupted run was writing
-    manifest_path = out_dir / MANIFEST_NAME
-    result = write_token_shards(documents, out_dir, name, val_tokens, shard_tokens, workers, progress,
-                                source_label=f"{source} ({', '.join(input_names)})" if input_names else source,
-                                on_first_shard=lambda: manifest_path.unlink(missing_ok=True))
-    written = {s["file"] for s in result["shards"]}
-    for stale in out_dir.iterdir():
-        if _shard_pattern(name).fullmatch(stale.name) and stale.name not in written: stale.unlink()
-    manifest = {
-        "format": "TOK1", "format_version": FORMAT_VERSION, "name": name, "source": source, "inputs": input_names,
-        "text_field": text_field, "limit_files": limit_files, "limit_articles": limit_articles,
-        "tokenizer": {"name": "r50k_base", "sha256": VOCAB_SHA256, "vocab_size": VOCAB_SIZE, "eot_id": EOT_ID},
-        "val_tokens_requested": val_tokens, "shard_tokens": shard_tokens,
-        "documents": result["documents"], "tokens": result["tokens"],
-        "val_tokens": result["val_tokens"], "train_tokens": result["train_tokens"],
-        "shards": [{k: s[k] for k in ("file", "split", "tokens", "crc32")} for s in result["shards"]],
-    }
-    _write_json_atomically(manifest_path, manifest)
+    with FolderLock(out_dir / PREPARE_LOCK_NAME, f"{out_dir}: another `rtrainer prepare` is writing into this folder; "
+                                                  f"wait for it to finish or choose another --out"):
+        for leftover in out_dir.iterdir():
+            if leftover.name.startswith(".") and leftover.name.endswith(".tmp") and _shard_pattern(name).fullmatch(leftover.name[1:-4]):
+                leftover.unlink()   # the temporary file of a shard that an interrupted run of an earlier version was writing
+        staging = out_dir / STAGING_NAME
+        if staging.exists() and not staging.is_dir(): staging.unlink()
+        staging.mkdir(exist_ok=True)   # an interrupted run's staging folder stays: its complete shards are kept if identical
+        try:
+            result = write_token_shards(documents, staging, name, val_tokens, shard_tokens, workers, progress,
+                                        source_label=f"{source} ({', '.join(input_names)})" if input_names else source)
+            manifest = {
+                "format": "TOK1", "format_version": FORMAT_VERSION, "name": name, "source": source, "inputs": input_names,
+                "text_field": text_field, "limit_files": limit_files, "limit_articles": limit_articles,
+                "tokenizer": {"name": "r50k_base", "sha256": VOCAB_SHA256, "vocab_size": VOCAB_SIZE, "eot_id": EOT_ID},
+                "val_tokens_requested": val_tokens, "shard_tokens": shard_tokens,
+                "documents": result["documents"], "tokens": result["tokens"],
+                "val_tokens": result["val_tokens"], "train_tokens": result["train_tokens"],
+                "shards": [{k: s[k] for k in ("file", "split", "tokens", "crc32")} for s in result["shards"]],
+            }
+            _commit_shards(staging, out_dir, name, result["shards"], manifest)
+        except (KeyboardInterrupt, SystemExit): raise   # interrupted: the staged shards wait for the next run
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True); raise
+        shutil.rmtree(staging, ignore_errors=True)
     seconds = time.perf_counter() - start
     if progress: print(format_summary(manifest, out_dir, seconds, kept=sum(s["kept"] for s in result["shards"])))
     return manifest
@@ -563,11 +636,10 @@ class TokenFile:
     def __repr__(self) -> str: return f"TokenFile({str(self.path)!r}, {len(self):,} tokens, seed={self.seed})"
 
     def verify(self) -> "TokenFile":
-        "Check the payload's CRC-32 against the header and that every id is in the vocabulary; returns self."
-        crc = payload_crc32(self.path)
+        "Check the payload's CRC-32 against the header and that every id is in the vocabulary (one read); returns self."
+        crc, largest = scan_payload(self.path)
         if crc != self.crc32: raise ValueError(f"{self.path}: CRC-32 mismatch: the header says {self.crc32:08x}, the tokens give {crc:08x}; the file is corrupt")
-        if len(self) and int(self.tokens.max()) >= VOCAB_SIZE:
-            raise ValueError(f"{self.path}: token id {int(self.tokens.max())} is outside the vocabulary (< {VOCAB_SIZE})")
+        if largest >= VOCAB_SIZE: raise ValueError(f"{self.path}: token id {largest} is outside the vocabulary (< {VOCAB_SIZE})")
         return self
 
     def _check_window(self, batch_size: int, seq_len: int):
@@ -610,6 +682,48 @@ class TokenFile:
             targets[row, :len(piece) - 1] = piece[1:]
         return inputs, targets
 
+def _manifest_error(path: Path, what: str): return ValueError(f"{path}: {what}; prepare the data again with `rtrainer prepare`")
+
+def read_dataset(folder: str | Path, seed: int = 0, verify: bool | tuple = True) -> dict:
+    """The manifest of a prepared folder checked against its files: {'manifest', 'train', 'val'} (lists of `TokenFile`).
+    Every shard the manifest lists must exist with the count and CRC it records; with `verify` (True, or the splits to
+    verify, e.g. ('val',)) each payload is read once to check its CRC and that every id is in the vocabulary. Errors
+    are one line naming the file."""
+    folder = Path(folder)
+    path = folder / MANIFEST_NAME
+    if not path.is_file():
+        if (folder / STAGING_NAME).is_dir(): raise FileNotFoundError(f"{folder}: no {MANIFEST_NAME}: a `rtrainer prepare` into it was interrupted; run it again")
+        raise FileNotFoundError(f"{folder}: no {MANIFEST_NAME} (prepare data with `rtrainer prepare --out {folder}`)")
+    try: manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e: raise _manifest_error(path, f"not valid JSON ({e})") from None
+    if not isinstance(manifest, dict): raise _manifest_error(path, "not a JSON object")
+    if (manifest.get("format"), manifest.get("format_version")) != ("TOK1", FORMAT_VERSION):
+        raise _manifest_error(path, f"format {manifest.get('format')!r} version {manifest.get('format_version')!r} is not TOK1 version {FORMAT_VERSION}")
+    tokenizer = manifest.get("tokenizer")
+    ours = {"name": "r50k_base", "sha256": VOCAB_SHA256, "vocab_size": VOCAB_SIZE, "eot_id": EOT_ID}
+    if not isinstance(tokenizer, dict): raise _manifest_error(path, "no tokenizer record")
+    for key, value in ours.items():
+        if tokenizer.get(key) != value: raise _manifest_error(path, f"tokenizer {key} is {tokenizer.get(key)!r}, but TOK1 shards hold r50k_base ({value!r})")
+    shards, opened, totals = manifest.get("shards"), {"train": [], "val": []}, {"train": 0, "val": 0}
+    if not isinstance(shards, list) or not shards: raise _manifest_error(path, "lists no shards")
+    for index, shard in enumerate(shards):
+        if not (isinstance(shard, dict) and isinstance(shard.get("file"), str) and shard.get("split") in totals
+                and all(isinstance(shard.get(k), int) and not isinstance(shard.get(k), bool) and shard[k] >= 0 for k in ("tokens", "crc32"))):
+            raise _manifest_error(path, f"shard entry {index} needs a file name, a split (train or val), and integer tokens and crc32")
+        name = shard["file"]
+        if Path(name).name != name or name.startswith("."): raise _manifest_error(path, f"shard entry {index}: {name!r} is not a file name in this folder")
+        token_file = TokenFile.open(folder / name, seed)
+        if (len(token_file), token_file.crc32) != (shard["tokens"], shard["crc32"]):
+            raise ValueError(f"{folder / name}: holds {len(token_file):,} tokens with CRC-32 {token_file.crc32:08x}, but {path} "
+                             f"records {shard['tokens']:,} tokens with CRC-32 {shard['crc32']:08x}; prepare the data again")
+        if verify is True or shard["split"] in (verify or ()): token_file.verify()
+        opened[shard["split"]].append(token_file); totals[shard["split"]] += len(token_file)
+    recorded = {"tokens": totals["train"] + totals["val"], "train_tokens": totals["train"], "val_tokens": totals["val"]}
+    for key, count in recorded.items():
+        if manifest.get(key) != count: raise _manifest_error(path, f"{key} is {manifest.get(key)!r}, but its shards hold {count:,}")
+    if not opened["train"]: raise _manifest_error(path, "lists no training shard")
+    return {"manifest": manifest, **opened}
+
 # %% ../nbs/00_tokenization.ipynb #1df2dd2a
 def supervised_batch(pairs: list[tuple[list[int], list[int]]], pad_id: int = EOT_ID) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     "Inputs, targets (B x L, int64) and a loss mask (True where the target is a response token) for (prompt, response) pairs."
@@ -633,19 +747,27 @@ def supervised_batch(pairs: list[tuple[list[int], list[int]]], pad_id: int = EOT
         loss_mask[row, max(prompt_length - 1, 0):length] = True   # target position t + 1 is in the response
     return inputs, targets, loss_mask
 
-def load_sft_jsonl(path: str | Path) -> list[tuple[list[int], list[int]]]:
-    "(prompt ids, response ids + end-of-text) for every line of a JSONL file of {'prompt', 'response'} objects."
+def load_sft_jsonl(path: str | Path, seq_len: int | None = None) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, response ids + end-of-text) for every line of a JSONL file of {'prompt', 'response'} objects. An
+    empty response, or (with `seq_len`) a prompt that leaves no response token inside the first `seq_len` targets, is refused."""
     path = Path(path)
     if not path.is_file(): raise FileNotFoundError(f"{path}: no such file")
     encoding, pairs = get_tokenizer(), []
     with open(path, encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, 1):
-            if not line.strip(): continue
-            try: record = json.loads(line)
-            except json.JSONDecodeError as e: raise ValueError(f"{path}:{line_number}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not (isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str)):
-                raise ValueError(f"{path}:{line_number}: needs string fields 'prompt' and 'response'")
-            pairs.append((encoding.encode_ordinary(record["prompt"]), encoding.encode_ordinary(record["response"]) + [EOT_ID]))
+        try:
+            for line_number, line in enumerate(lines, 1):
+                if not line.strip(): continue
+                try: record = json.loads(line)
+                except json.JSONDecodeError as e: raise ValueError(f"{path}:{line_number}: not valid JSON ({e.msg} at column {e.colno})") from None
+                if not (isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str)):
+                    raise ValueError(f"{path}:{line_number}: needs string fields 'prompt' and 'response'")
+                prompt, response = encoding.encode_ordinary(record["prompt"]), encoding.encode_ordinary(record["response"])
+                if not response: raise ValueError(f"{path}:{line_number}: the response is empty, so there is nothing to learn")
+                if seq_len is not None and len(prompt) > seq_len:
+                    raise ValueError(f"{path}:{line_number}: the prompt is {len(prompt)} tokens, more than --seq-len {seq_len}: "
+                                     "no response token would be trained on (shorten it or raise --seq-len)")
+                pairs.append((prompt, response + [EOT_ID]))
+        except UnicodeDecodeError as e: raise ValueError(f"{path}: not UTF-8 text ({e.reason})") from None
     if not pairs: raise ValueError(f"{path}: no examples in this file")
     return pairs
 

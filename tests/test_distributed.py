@@ -1,7 +1,7 @@
 """The distributed trainer on CPU with gloo: 2 ranks at B/2 against 1 at B, resharding checkpoints, a killed rank.
 
 Every multi-process run goes through torchrun (`python -m torch.distributed.run --standalone`) with a timeout."""
-import json, time
+import json, sys, time
 from pathlib import Path
 import pytest
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -112,9 +112,11 @@ def test_only_rank_zero_writes(runs):
 
 def test_checkpoint_metadata_matches_single_process(runs):
     meta = json.loads((runs / "two" / "checkpoints" / "step-00000020.json").read_text())
-    assert meta["format"] == "rtrainer-checkpoint-1" and meta["step"] == 20 and meta["world_size"] == 2
+    assert meta["format"] == "rtrainer-checkpoint-2" and meta["step"] == 20 and meta["world_size"] == 2
     assert meta["optimizer"]["step_count"] == 20 and meta["model_config"]["vocab_size"] == 512
-    assert (runs / "two" / "checkpoints" / "step-00000020" / ".metadata").exists()
+    folder = runs / "two" / "checkpoints" / "step-00000020"
+    assert (folder / "index.json").exists() and not (folder / ".metadata").exists()   # DCP's index as JSON, no pickle
+    assert set(meta["checksums"]["files"]) == {p.name for p in folder.iterdir()}
 
 @pytest.fixture(scope="module")
 def reloaded(runs):
@@ -228,3 +230,57 @@ def ranks_below(pid):
     "Pids of the rank processes (python -m rtrainer.distributed ...) that torchrun `pid` started."
     return [c for c in processes.descendants(pid) if b"rtrainer.distributed" in open(f"/proc/{c}/cmdline", "rb").read()
             and b"torch.distributed.run" not in open(f"/proc/{c}/cmdline", "rb").read()]
+
+class Payload:
+    "A pickle that, when loaded, creates the file `marker` (what a crafted checkpoint could do with any command)."
+    def __init__(self, marker): self.marker = str(marker)
+    def __reduce__(self): return (open, (self.marker, "w"))
+
+def test_no_code_runs_from_a_checkpoint(runs, tmp_path, capsys):
+    """A pickle payload planted where DCP keeps its index (`.metadata`), in a DCP data file, or in place of a safetensors
+    checkpoint runs on no path that reads a checkpoint: train --resume / --init-from under --dp and --nproc, without them,
+    eval, generate and export."""
+    import pickle, shutil
+    import torch.distributed as dist
+    from rtrainer.cli import main
+    from rtrainer.distributed import DistributedTrainer
+    from rtrainer.model import model_config
+    from rtrainer.training import TrainConfig
+    marker = tmp_path / "MARKER"
+    def plant(path): path.write_bytes(pickle.dumps(Payload(marker)))
+    checkpoints = tmp_path / "run" / "checkpoints"; checkpoints.mkdir(parents=True)
+    shutil.copytree(runs / "two" / "checkpoints" / "step-00000020", checkpoints / "step-00000020")
+    shutil.copy(runs / "two" / "checkpoints" / "step-00000020.json", checkpoints)
+    plant(checkpoints / "step-00000020" / ".metadata")
+
+    exported = export_checkpoint(checkpoints, tmp_path / "exported.safetensors")
+    assert not marker.exists() and read_checkpoint(exported)[1]["step"] == 20
+    config = lambda **kw: TrainConfig(**{**dict(data="synthetic", steps=20, batch_size=8, seq_len=32, lr=1e-2, warmup=2, eval_every=0,
+                                                progress=False, device="cpu", out_dir=str(tmp_path / "in-process")), **kw})
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for dp, kw in (("ddp", dict(resume=str(checkpoints))), ("fsdp", dict(init_from=str(checkpoints), init_moments=True))):
+            t = DistributedTrainer(config(**kw), model_config("tiny", vocab_size=512), dp=dp, log=lambda *a: None)
+            assert t.optimizer.step_count == 20 and not marker.exists(), dp
+    finally: dist.destroy_process_group()
+
+    done = processes.run([sys.executable, "-m", "rtrainer", "train", *COMMON[:COMMON.index("--steps")], "--steps", "21",
+                          *COMMON[COMMON.index("--steps") + 2:], "--batch-size", "4", "--nproc", "2", "--resume", str(checkpoints)],
+                         300, env={**worker_environment(), **ENV})   # its ranks end with it
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert not marker.exists() and json.loads((checkpoints / "step-00000021.json").read_text())["step"] == 21
+
+    fake = tmp_path / "fake" / "step-00000030.safetensors"; fake.parent.mkdir()   # a pickle where a safetensors file should be
+    plant(fake)
+    for argv in (["train", "--data", "synthetic", "--resume", fake, "--out-dir", tmp_path / "a"],
+                 ["train", "--data", "synthetic", "--init-from", fake, "--out-dir", tmp_path / "b"],
+                 ["train", "--data", "synthetic", "--init-from", fake, "--dp", "ddp", "--out-dir", tmp_path / "c"],
+                 ["eval", "--checkpoint", fake.parent, "--data", tmp_path], ["generate", "--checkpoint", fake, "--prompt", "x"]):
+        assert main([str(a) for a in argv] + ["--device", "cpu"] + (["--no-progress"] if argv[0] == "train" else [])) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "not a readable safetensors checkpoint" in err[0], err
+        assert not marker.exists(), argv
+    data_file = checkpoints / "step-00000020" / "__0_0.distcp"                  # a DCP data file swapped for a payload
+    plant(data_file)
+    with pytest.raises(ValueError, match="__0_0.distcp: does not match its CRC-32"): export_checkpoint(checkpoints / "step-00000020.json", tmp_path / "x.safetensors")
+    assert not marker.exists() and not (tmp_path / "x.safetensors").exists()

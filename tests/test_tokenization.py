@@ -2,7 +2,7 @@
 
 Every input is built in a temporary folder; nothing here touches the network (the wiki source is tested
 against a stand-in `huggingface_hub` module)."""
-import json, os, random, secrets, shutil, struct, subprocess, sys, types, zlib
+import json, os, random, re, secrets, shutil, struct, subprocess, sys, types, zlib
 from pathlib import Path
 
 import numpy as np
@@ -185,15 +185,17 @@ def test_bundled_python_docs_corpus(tmp_path, capsys):
 
 # ---------------------------------------------------------------- atomic writing and resume
 
-def test_interrupted_prepare_keeps_complete_shards_and_finishes_identically(tmp_path, monkeypatch, rng):
+def test_interrupted_prepare_keeps_the_old_dataset_and_finishes_identically(tmp_path, monkeypatch, rng):
+    "Interrupted, `prepare` leaves the dataset that was there whole; run again, it moves the shards it had staged into place."
     monkeypatch.setattr(tk, "ENCODE_TASK_CHARS", 300)     # small tasks, so shards complete before the interruption
     jsonl = write_jsonl(tmp_path / "c.jsonl", random_documents(rng, 300))
     arguments = dict(name="c", val_tokens=500, shard_tokens=2003, progress=False)
     tk.prepare_corpus("jsonl", [jsonl], tmp_path / "fresh", **arguments)
 
-    out = tmp_path / "resumed"; out.mkdir()
-    (out / "manifest.json").write_text("{}")                  # an earlier run's manifest must not survive a new run
-    (out / ".c-train-00007.tok.tmp").write_bytes(b"junk")     # and neither must a crashed run's temporary file
+    out = tmp_path / "resumed"
+    tk.prepare_corpus("jsonl", [write_jsonl(tmp_path / "old.jsonl", random_documents(rng, 60))], out, **arguments)
+    old = folder_bytes(out)                                   # the dataset an interrupted run must not damage
+    (out / ".c-train-00007.tok.tmp").write_bytes(b"junk")     # a temporary file that an older version's crash left
     real = tk.jsonl_documents
     def interrupted(paths, text_field="text"):
         for i, text in enumerate(real(paths, text_field)):
@@ -203,14 +205,16 @@ def test_interrupted_prepare_keeps_complete_shards_and_finishes_identically(tmp_
     with pytest.raises(KeyboardInterrupt):
         tk.prepare_corpus("jsonl", [jsonl], out, **arguments)
     monkeypatch.setattr(tk, "jsonl_documents", real)
-    complete = sorted(p.name for p in out.iterdir() if p.name.endswith(".tok") and not p.name.startswith("."))
-    assert len(complete) >= 3 and not (out / "manifest.json").exists()
-    assert not any(p.name.endswith(".tmp") and p.name != ".c-train-00007.tok.tmp" for p in out.iterdir())
-    for name in complete: TokenFile.open(out / name).verify()  # whatever is named like a shard is whole
-    before = {name: (out / name).stat() for name in complete}
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != ".c-train-00007.tok.tmp"} == old
+    assert tk.read_dataset(out)["manifest"]["documents"] == 60
+    staging = out / tk.STAGING_NAME
+    complete = sorted(p.name for p in staging.iterdir() if p.name.endswith(".tok") and not p.name.startswith("."))
+    assert len(complete) >= 3 and not any(p.name.endswith(".tmp") for p in staging.iterdir())
+    for name in complete: TokenFile.open(staging / name).verify()  # whatever is named like a shard is whole
+    before = {name: (staging / name).stat() for name in complete}
 
     tk.prepare_corpus("jsonl", [jsonl], out, **arguments)
-    for name, stat in before.items():                         # complete shards were kept, not rewritten
+    for name, stat in before.items():                         # staged shards were moved into place, not rewritten
         assert (out / name).stat().st_ino == stat.st_ino and (out / name).stat().st_mtime_ns == stat.st_mtime_ns
     assert folder_bytes(out) == folder_bytes(tmp_path / "fresh")
 
@@ -546,3 +550,115 @@ def test_cli_error_in_a_real_process(tmp_path):
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [f"rtrainer prepare: error: {tmp_path / 'absent.parquet'}: no such file or folder"]
     assert done.stdout == "" and not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- nothing trusted blindly (issue #37)
+
+def small_dataset(tmp_path, rng, name="d"):
+    "A prepared folder of a few small shards from fresh random documents."
+    jsonl = write_jsonl(tmp_path / f"{name}.jsonl", random_documents(rng, 120))
+    out = tmp_path / name
+    tk.prepare_corpus("jsonl", [jsonl], out, name=name, val_tokens=300, shard_tokens=1500, progress=False)
+    return out
+
+
+def test_a_damaged_shard_or_manifest_is_refused_naming_the_file(tmp_path, rng, capsys):
+    "A flipped byte, an id past the vocabulary, a manifest that disagrees with its files or is not JSON: refused, one line naming the file."
+    good = small_dataset(tmp_path, rng)
+    assert len(tk.read_dataset(good)["train"]) >= 3
+    def damaged(edit):
+        folder = tmp_path / f"case{len(list(tmp_path.glob('case*')))}"
+        shutil.copytree(good, folder); edit(folder); return folder
+    def flip(folder):
+        shard = sorted(folder.glob("d-train-*.tok"))[1]
+        data = bytearray(shard.read_bytes()); data[tk.HEADER_BYTES + rng.randrange(len(data) - tk.HEADER_BYTES)] ^= 1 << rng.randrange(8)
+        shard.write_bytes(bytes(data))
+    def past_vocabulary(folder):                 # a shard whose header and CRC agree, holding id 60000
+        shard = sorted(folder.glob("d-train-*.tok"))[0]
+        tokens = np.fromfile(shard, dtype="<u2", offset=tk.HEADER_BYTES); tokens[rng.randrange(tokens.size)] = 60000
+        shard.unlink(); writer = tk.ShardWriter(shard); writer.write(tokens); info = writer.finish()
+        manifest = json.loads((folder / "manifest.json").read_text())
+        next(s for s in manifest["shards"] if s["file"] == shard.name)["crc32"] = info["crc32"]
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+    def manifest_edit(change):
+        def edit(folder):
+            manifest = json.loads((folder / "manifest.json").read_text()); change(manifest)
+            (folder / "manifest.json").write_text(json.dumps(manifest))
+        return edit
+    cases = [(flip, "d-train-00001.tok: CRC-32 mismatch"),
+             (past_vocabulary, "token id 60000 is outside the vocabulary"),
+             (manifest_edit(lambda m: m["shards"][2].update(crc32=m["shards"][2]["crc32"] ^ 4)), "d-train-00001.tok: holds"),
+             (manifest_edit(lambda m: m["shards"][1].update(tokens=m["shards"][1]["tokens"] + 1)), "d-train-00000.tok: holds"),
+             (manifest_edit(lambda m: m["tokenizer"].update(name="cl100k_base")), "manifest.json: tokenizer name"),
+             (manifest_edit(lambda m: m["tokenizer"].update(vocab_size=50000)), "manifest.json: tokenizer vocab_size"),
+             (manifest_edit(lambda m: m.update(tokens=m["tokens"] + 7)), "manifest.json: tokens is"),
+             (manifest_edit(lambda m: m["shards"][1].update(file="../d/d-train-00000.tok")), "is not a file name in this folder"),
+             (lambda f: (f / "manifest.json").write_text('{"format": "TOK1", "shards": ['), "manifest.json: not valid JSON"),
+             (lambda f: (f / "manifest.json").write_text("[1, 2]"), "manifest.json: not a JSON object"),
+             (lambda f: next(f.glob("d-train-*.tok")).unlink(), "no such token file")]
+    for edit, message in cases:
+        folder = damaged(edit)
+        with pytest.raises((ValueError, FileNotFoundError), match=re.escape(message)): tk.read_dataset(folder)
+    status = cli_main(["train", "--data", str(tmp_path / "case0"), "--steps", "1", "--batch-size", "2", "--seq-len", "8",
+                       "--device", "cpu", "--no-progress", "--out-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and "case0/d-train-00001.tok: CRC-32 mismatch" in err[0], err
+    assert not (tmp_path / "run").exists()                     # refused before anything was written
+
+
+def test_a_second_prepare_into_the_same_folder_is_refused(tmp_path, rng, capsys):
+    "While one `prepare` holds a folder's lock (here a process holding it), another into that folder refuses at once."
+    jsonl = write_jsonl(tmp_path / "c.jsonl", random_documents(rng, 30))
+    out = tmp_path / "out"; out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)", str(out / ".prepare.lock")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        status, _, err = run_cli(capsys, "--source", "jsonl", "--input", jsonl, "--out", out)
+        assert_one_line_error(status, err, "another `rtrainer prepare` is writing into this folder")
+        assert sorted(p.name for p in out.iterdir()) == [".prepare.lock"]
+    finally: holder.kill(); holder.wait()
+    status, _, err = run_cli(capsys, "--source", "jsonl", "--input", jsonl, "--out", out)   # the holder is gone: it goes ahead
+    assert status == 0, err
+    assert tk.read_dataset(out)["manifest"]["documents"] == 30 and not (out / ".prepare.lock").exists()
+
+
+def test_a_failed_prepare_leaves_the_old_dataset_whole(tmp_path, rng, monkeypatch):
+    "A bad input line after several complete shards, or a full disk: the dataset that was there is left byte for byte."
+    out = small_dataset(tmp_path, rng, name="c")
+    before = folder_bytes(out)
+    lines = [json.dumps({"text": text}) for text in random_documents(rng, 150)] + ["{broken"]
+    (tmp_path / "bad.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:151: not valid JSON"):
+        tk.prepare_corpus("jsonl", [tmp_path / "bad.jsonl"], out, name="c", val_tokens=100, shard_tokens=400, progress=False)
+    assert folder_bytes(out) == before
+    class FullDisk:                                            # the fourth training shard's file: the disk is full
+        def __init__(self, file): self.file = file
+        def write(self, data): raise OSError(28, "No space left on device")
+        def __getattr__(self, name): return getattr(self.file, name)
+    real = tk.ShardWriter.__init__
+    def opened(self, path):
+        real(self, path)
+        if self.path.name == "c-train-00003.tok": self.file = FullDisk(self.file)
+    monkeypatch.setattr(tk.ShardWriter, "__init__", opened)
+    with pytest.raises(OSError) as full:
+        tk.prepare_corpus("jsonl", [tmp_path / "c.jsonl"], out, name="c", val_tokens=100, shard_tokens=300, progress=False)
+    assert full.value.filename.endswith("c-train-00003.tok") and full.value.strerror == "No space left on device"
+    assert folder_bytes(out) == before and tk.read_dataset(out)["manifest"]["shard_tokens"] == 1500
+
+
+def test_binary_text_and_untrainable_sft_examples_are_refused(tmp_path):
+    "NUL bytes are not text; an SFT response that is empty, or a prompt that leaves it outside --seq-len, has nothing to train on."
+    (tmp_path / "nul.txt").write_bytes(b"\0" * 5000)
+    with pytest.raises(ValueError, match="nul.txt: a NUL character at offset 0"): list(tk.text_documents([tmp_path / "nul.txt"]))
+    write_jsonl(tmp_path / "nul.jsonl", ["fine", "bin\0ary"])
+    with pytest.raises(ValueError, match="nul.jsonl:2: field 'text' holds a NUL"): list(tk.jsonl_documents([tmp_path / "nul.jsonl"]))
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text('{"prompt": "Q: 1 + 1?", "response": " 2"}\n{"prompt": "Q: say nothing", "response": ""}\n')
+    with pytest.raises(ValueError, match="sft.jsonl:2: the response is empty"): tk.load_sft_jsonl(sft)
+    long_prompt = " ".join(["word"] * 40)
+    sft.write_text(json.dumps({"prompt": "short", "response": " yes"}) + "\n" + json.dumps({"prompt": long_prompt, "response": " no"}) + "\n")
+    assert len(tk.load_sft_jsonl(sft)) == 2
+    with pytest.raises(ValueError, match=r"sft.jsonl:2: the prompt is 40 tokens, more than --seq-len 16"): tk.load_sft_jsonl(sft, seq_len=16)
+    assert len(tk.load_sft_jsonl(sft, seq_len=40)) == 2           # 40 prompt tokens leave the response's first as target 40

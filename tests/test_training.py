@@ -1,5 +1,6 @@
 "Training chapter: checkpoints, resume, init-from, non-finite stops, SFT, and the commands' errors."
-import json, hashlib, subprocess, sys
+import json, hashlib, os, re, subprocess, sys
+from pathlib import Path
 import pytest, torch
 from rtrainer import training
 from rtrainer.cli import main
@@ -63,7 +64,8 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     def crash(*a, **k): raise OSError("simulated crash before rename")
     monkeypatch.setattr(training.os, "replace", crash)
     with torch.no_grad(): next(t.model.parameters()).add_(1.0)
-    with pytest.raises(OSError, match="simulated"): save_checkpoint(path, t.model, t.optimizer, 2, t.cfg)
+    with pytest.raises(FileExistsError, match="never rewrites"): save_checkpoint(path, t.model, t.optimizer, 2, t.cfg)
+    with pytest.raises(OSError, match="simulated"): save_checkpoint(path, t.model, t.optimizer, 2, t.cfg, overwrite=True)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     _, meta = read_checkpoint(path); assert meta["step"] == 1
@@ -276,3 +278,213 @@ def test_cuda_graph_flags(tmp_path):
     modes = [train_config_from_args(p.parse_args(argv)).cuda_graph for argv in ([], ["--cuda-graph"], ["--no-cuda-graph"])]
     assert modes == ["auto", "on", "off"]
     assert cli("train", "--data", "synthetic", "--device", "cpu", "--cuda-graph", "--no-progress", "--out-dir", tmp_path) == 2   # refused on a CPU
+
+
+# ---------------------------------------------------------------- nothing lost, nothing trusted blindly (issue #37)
+
+def one_line_error(capsys, status, *fragments, err=None):
+    "The command failed as a user error: status 2 and one line on stderr (or in `err`) holding every fragment."
+    err = (capsys.readouterr().err if err is None else err).strip().splitlines()
+    assert status == 2 and len(err) == 1, (status, err)
+    for fragment in fragments: assert fragment in err[0], (fragment, err[0])
+    return err[0]
+
+
+def test_a_non_finite_parameter_is_never_saved(tmp_path, capsys):
+    "An update that leaves a NaN in a weight (its loss was finite) stops the run before the save, saying which checkpoint is last."
+    t = Trainer(cfg(tmp_path, steps=4, checkpoint_every=1), model_config("tiny", vocab_size=512), log=quiet)
+    real = t.optimizer.step
+    def poisoned(lr, grad_scale=None):
+        real(lr, grad_scale=grad_scale)
+        if t.optimizer.step_count == 2:
+            with torch.no_grad(): t.model.lm_head.view(-1)[torch.randint(0, t.model.lm_head.numel(), ())] = float("nan")
+    t.optimizer.step = poisoned
+    with pytest.raises(NonFiniteLoss) as stop: t.run()
+    folder = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["step-00000001.safetensors"]
+    assert "step 2: a parameter or a moment is NaN or infinite" in str(stop.value) and "nothing was saved" in str(stop.value)
+    assert f"the last checkpoint is {folder / 'step-00000001.safetensors'}" in str(stop.value)
+    tensors, _ = read_checkpoint(folder)
+    assert all(torch.isfinite(v).all() for v in tensors.values() if v.is_floating_point())
+    with pytest.raises(NonFiniteLoss, match="holds a NaN or an infinity"):       # the library call refuses it as well
+        save_checkpoint(tmp_path / "nan.safetensors", t.model, t.optimizer, 2, t.cfg)
+    assert not (tmp_path / "nan.safetensors").exists()
+    for bad in ("nan", "inf", "-inf"):                                           # a learning rate that is no number: refused
+        status = cli("train", "--data", "synthetic", f"--lr={bad}", "--no-progress", "--out-dir", tmp_path / "o")
+        one_line_error(capsys, status, "--lr must be a finite number")
+    assert not (tmp_path / "o").exists()
+
+
+def rewrite_checkpoint(path, out, meta_edit=None, flip=None):
+    "Copy a safetensors checkpoint to `out`, its rtrainer metadata edited by `meta_edit`, or one bit of tensor `flip` flipped."
+    import struct
+    data = bytearray(Path(path).read_bytes())
+    n = struct.unpack("<Q", data[:8])[0]
+    header, body = json.loads(data[8:8 + n]), data[8 + n:]
+    if meta_edit:
+        meta = json.loads(header["__metadata__"]["rtrainer"]); meta_edit(meta)
+        header["__metadata__"]["rtrainer"] = json.dumps(meta)
+    if flip:
+        start, end = header[flip]["data_offsets"]
+        body[start + (end - start) // 3] ^= 0x20
+    raw = json.dumps(header).encode(); raw += b" " * (-len(raw) % 8)
+    Path(out).write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(body))
+    return out
+
+
+def test_checkpoints_are_checked_on_load(tmp_path, capsys):
+    "Metadata that does not match the tensors is refused naming the field; a flipped bit or an edited field fails its checksum."
+    Trainer(cfg(tmp_path, steps=1), model_config("tiny", vocab_size=512), log=quiet).run()
+    good = tmp_path / "run" / "checkpoints" / "step-00000001.safetensors"
+    def field(name, value): return lambda meta: meta["model_config"].update({name: value})
+    cases = [(dict(meta_edit=field("n_layers", 1)), "n_layers is 1, the file holds 2 blocks"),
+             (dict(meta_edit=field("d_model", 96)), "d_model is 96"),
+             (dict(meta_edit=field("vocab_size", 256)), "vocab_size is 256"),
+             (dict(meta_edit=field("d_ff", 128)), "d_model, d_ff make it"),
+             (dict(meta_edit=lambda meta: meta["model_config"].update(n_experts=4, expert_d_ff=32)), "n_experts"),
+             (dict(meta_edit=lambda meta: meta.update(step=7)), "its metadata does not match its checksum"),
+             (dict(meta_edit=lambda meta: meta["optimizer"].update(lr=1.0)), "its metadata does not match its checksum"),
+             (dict(flip="model.lm_head"), "tensor model.lm_head does not match its CRC-32"),
+             (dict(flip="optim.exp_avg_sq.blocks.1.qkv"), "tensor optim.exp_avg_sq.blocks.1.qkv does not match its CRC-32")]
+    for i, (edit, message) in enumerate(cases):
+        bad = rewrite_checkpoint(good, tmp_path / f"bad{i}.safetensors", **edit)
+        with pytest.raises(ValueError, match=re.escape(message)): read_checkpoint(bad)
+        one_line_error(capsys, cli("eval", "--checkpoint", bad, "--data", tmp_path, "--device", "cpu"), message)
+        one_line_error(capsys, cli("generate", "--checkpoint", bad, "--prompt", "The", "--device", "cpu"), message)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            Trainer(cfg(tmp_path, steps=2, resume=str(bad), out_dir=str(tmp_path / f"r{i}")), model_config("tiny", vocab_size=512), log=quiet)
+    model, meta = training.load_model(good, device="cpu")                         # the untouched file still loads
+    assert meta["step"] == 1 and len(model.blocks) == 2
+
+
+def test_runs_never_share_a_folder(tmp_path, monkeypatch, capsys):
+    """A second run of a preset gets its own folder; a fresh run refuses another run's; --resume refuses another run's data
+    or settings unless told; a resume with nothing left to do says so and writes nothing."""
+    monkeypatch.chdir(tmp_path)
+    flags = ["--data", "synthetic", "--vocab-size", "512", "--batch-size", "2", "--seq-len", "16", "--eval-every", "0",
+             "--device", "cpu", "--no-progress", "--sample-tokens", "4"]
+    assert cli("train", "--steps", 2, *flags) == 0
+    first = {p: p.read_bytes() for p in Path("runs/tiny").rglob("*") if p.is_file()}
+    assert cli("train", "--steps", 3, "--seed", 5, *flags) == 0                  # the default folder is taken: runs/tiny-2
+    assert "runs/tiny holds another run: this run writes to runs/tiny-2" in capsys.readouterr().out
+    assert {p: p.read_bytes() for p in Path("runs/tiny").rglob("*") if p.is_file()} == first
+    assert [p.name for p in Path("runs/tiny-2/checkpoints").iterdir()] == ["step-00000003.safetensors"]
+    one_line_error(capsys, cli("train", "--steps", 3, *flags, "--out-dir", "runs/tiny"), "runs/tiny holds another run")
+    one_line_error(capsys, cli("train", "--steps", 3, *flags, "--out-dir", "elsewhere", "--checkpoint-dir", "runs/tiny-2/checkpoints"),
+                   "runs/tiny-2/checkpoints holds checkpoints of another run")
+    one_line_error(capsys, cli("train", "--steps", 4, "--seed", 5, "--lr", "1e-3", *flags, "--resume", "runs/tiny-2/checkpoints"),
+                   "this run differs from the checkpoint's: --lr 0.001 (checkpoint 0.003)", "--allow-resume-changes")
+    one_line_error(capsys, cli("train", "--steps", 4, *flags, "--resume", "runs/tiny-2/checkpoints"), "--seed 0 (checkpoint 5)")
+    one_line_error(capsys, cli("train", "--steps", 4, "--seed", 5, *flags, "--batch-size", 4, "--resume", "runs/tiny-2/checkpoints"),
+                   "global batch 4 (checkpoint 2)")
+    assert {p: p.read_bytes() for p in Path("runs/tiny").rglob("*") if p.is_file()} == first
+    stamp = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in Path("runs").rglob("*") if p.is_file()}
+    for steps in (2, 1):                                                          # at or past --steps: nothing to do
+        assert cli("train", "--steps", steps, *flags, "--resume", "runs/tiny/checkpoints") == 0
+        out = capsys.readouterr().out.strip().splitlines()
+        assert out == [f"nothing to do: runs/tiny/checkpoints/step-00000002.safetensors is at step 2 and --steps is {steps}; nothing was written"]
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in Path("runs").rglob("*") if p.is_file()} == stamp
+    assert cli("train", "--steps", 4, "--seed", 5, "--lr", "1e-3", "--allow-resume-changes", *flags, "--resume", "runs/tiny-2/checkpoints") == 0
+    assert sorted(p.name for p in Path("runs/tiny-2/checkpoints").iterdir()) == ["step-00000003.safetensors", "step-00000004.safetensors"]
+    with pytest.raises(FileExistsError, match="never rewrites"):                 # and no save goes over an existing file
+        t = Trainer(cfg(tmp_path, steps=3), model_config("tiny", vocab_size=512), log=quiet)
+        t.checkpoint_dir, t.step = Path("runs/tiny-2/checkpoints"), 3
+        t.save()
+    assert stamp[Path("runs/tiny-2/checkpoints/step-00000003.safetensors")][1] == Path("runs/tiny-2/checkpoints/step-00000003.safetensors").read_bytes()
+
+
+def test_sigterm_saves_at_the_next_step_boundary(tmp_path, monkeypatch, capsys):
+    """SIGTERM (sent from outside, to a real process) stops a run at a step boundary with a checkpoint and one line;
+    SIGINT with --on-signal exit stops it without one; a resume removes what a kill during a save left."""
+    import signal, time
+    flags = ["train", "--data", "synthetic", "--vocab-size", "512", "--batch-size", "2", "--seq-len", "16", "--log-every", "1",
+             "--eval-every", "0", "--device", "cpu", "--no-progress"]
+    out = tmp_path / "save"
+    proc = subprocess.Popen([sys.executable, "-m", "rtrainer", *flags, "--steps", "100000", "--out-dir", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not ((out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    [path] = (out / "checkpoints").iterdir()
+    step = int(path.stem.split("-")[1])
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines() == [f"rtrainer train: SIGTERM at step {step}: saved {path}; continue with --resume {path}"]
+    _, meta = read_checkpoint(path)
+    assert meta["step"] == step >= 2 and meta["optimizer"]["step_count"] == step
+
+    real = training.Trainer.train_step
+    def interrupted(self, i):                                     # a Ctrl-C during step 3
+        if i == 2: os.kill(os.getpid(), signal.SIGINT)
+        return real(self, i)
+    monkeypatch.setattr(training.Trainer, "train_step", interrupted)
+    assert cli(*flags, "--steps", 100, "--on-signal", "exit", "--out-dir", tmp_path / "exit") == 128 + signal.SIGINT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["rtrainer train: SIGINT at step 3: stopped without saving (--on-signal exit); this run saved no checkpoint"], err
+    assert not list((tmp_path / "exit" / "checkpoints").glob("*"))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # the run put the handler back
+    monkeypatch.setattr(training.Trainer, "train_step", real)
+
+    leftovers = [path.parent / f".step-{step + 1:08d}.safetensors.tmp-4242", path.parent / f".step-{step + 1:08d}.tmp", path.parent / ".tmpAb3dEf"]
+    leftovers[1].mkdir(); (leftovers[1] / "__0_0.distcp").write_bytes(b"\0" * 4096)     # what kills during saves leave: a DCP
+    leftovers[0].mkdir(); (leftovers[0] / ".tmpQ1w2E3").write_bytes(b"\0" * 4096)     # folder, a save's folder holding
+    leftovers[2].write_bytes(b"\0" * 4096)                                          # safetensors' temporary file, or that file
+    assert cli(*flags, "--steps", step + 1, "--resume", path) == 0                  # alone (earlier versions)
+    assert "removed 3 temporary file(s) of an interrupted save" in capsys.readouterr().out and not any(p.exists() for p in leftovers)
+    assert read_checkpoint(path.parent)[1]["step"] == step + 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--lr", "nan"], "--lr must be a finite number"),
+    (["train", "--clip", "-1"], "--clip must be >= 0"),
+    (["train", "--eps", "0"], "--eps must be positive"),
+    (["train", "--weight-decay", "inf"], "--weight-decay must be a finite number"),
+    (["train", "--floor", "nan"], "--floor must be a finite number"),
+    (["train", "--capacity-factor", "nan"], "--capacity-factor must be a finite number"),
+    (["train", "--cuda-graph", "--no-cuda-graph"], "--cuda-graph and --no-cuda-graph contradict each other"),
+    (["train", "--no-checkpoints", "--checkpoint-every", "1"], "--no-checkpoints and --checkpoint-every 1 contradict"),
+    (["train", "--init-moments"], "--init-moments takes the moments of --init-from's checkpoint"),
+    (["train", "--allow-resume-changes"], "--allow-resume-changes applies to --resume"),
+    (["train", "--on-signal", "ignore"], "--on-signal must be one of save, exit"),
+    (["train", "--device", "foo"], "--device 'foo' is not a device"),
+    (["train", "--device", "cuda:7"], "--device cuda:7"),
+    (["train", "--sample-tokens", "256"], "--sample-tokens 256 must be below the model's max_seq_len 256"),
+    (["train", "--steps", "many"], "argument --steps: invalid int value: 'many'"),
+    (["generate", "--checkpoint", "CK", "--prompt", "a", "--top-k", "-3"], "--top-k must be an integer >= 0"),
+    (["generate", "--checkpoint", "CK", "--prompt", "a", "--temperature", "nan"], "--temperature must be a finite number >= 0"),
+    (["generate", "--checkpoint", "CK", "--prompt", "a", "--device", "foo"], "--device 'foo' is not a device"),
+    (["eval", "--checkpoint", "CK", "--data", "DATA", "--batch-size", "0"], "--batch-size must be an integer >= 1"),
+])
+def test_every_flag_is_checked(tmp_path, capsys, argv, message):
+    "A value out of range, a number that is not finite, contradictory flags: one line on stderr, status 2, nothing written."
+    import torch
+    if "cuda:7" in argv and torch.cuda.device_count() > 7: pytest.skip("this machine has a cuda:7")
+    argv = [str(tmp_path / "none.safetensors") if a == "CK" else str(tmp_path) if a == "DATA" else a for a in argv]
+    extra = (["--data", "synthetic", "--out-dir", str(tmp_path / "o"), "--no-progress", "--vocab-size", "512", "--seq-len", "8",
+              "--batch-size", "2"] + ([] if "--steps" in argv else ["--steps", "1"]) if argv[0] == "train" else [])
+    try: status = main(argv + extra)
+    except SystemExit as e: status = e.code                       # the parser's own errors
+    one_line_error(capsys, status, message)
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing_half_written(tmp_path, monkeypatch, capsys):
+    "A file-size limit (as a full disk): `prepare` and a checkpoint save fail with one line; the folders hold nothing half-written."
+    import resource, signal
+    monkeypatch.chdir(tmp_path)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # writes past the limit fail with EFBIG instead of killing us
+    resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, hard))
+    try:
+        prepared = cli("prepare", "--out", tmp_path / "docs")
+        prepare_err = capsys.readouterr().err
+        trained = cli("train", "--data", "synthetic", "--steps", 1, "--batch-size", 2, "--seq-len", 8, "--device", "cpu",
+                      "--no-progress", "--eval-every", 0, "--out-dir", tmp_path / "run")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard)); signal.signal(signal.SIGXFSZ, old_handler)
+    one_line_error(capsys, prepared, "python-docs-train-00000.tok: File too large", err=prepare_err)
+    one_line_error(capsys, trained, "step 1: the checkpoint was not saved", "File too large", "this run saved no checkpoint")
+    assert [p.name for p in (tmp_path / "docs").iterdir()] == []
+    assert list((tmp_path / "run" / "checkpoints").iterdir()) == []
