@@ -74,8 +74,8 @@ def export_weights(tensors, dtype="keep"):
     if dtype == "keep": return weights
     return {k: v.to(policy_dtype(k[len("model."):], dtype)) for k, v in weights.items()}
 
-def export_file(checkpoint, out, dtype="keep", quantize=None, with_optimizer=False):
-    "Write `checkpoint`'s weights (or, `with_optimizer`, its whole state) to one safetensors file `out`; returns its path."
+def export_file(checkpoint, out, dtype="keep", quantize=None, with_optimizer=False, replace=False):
+    "Write `checkpoint`'s weights (or, `with_optimizer`, its whole state) to one safetensors file `out` (an existing one only if `replace`); returns its path."
     tensors, meta = read_any_checkpoint(checkpoint)
     meta = {k: v for k, v in meta.items() if k not in ("weights", "exported", "checksums")}   # an export describes itself afresh
     if with_optimizer:
@@ -89,7 +89,7 @@ def export_file(checkpoint, out, dtype="keep", quantize=None, with_optimizer=Fal
                             rtrainer_version=rtrainer.__version__, commit=git_commit())
     if quantized: meta["weights"] = dict(quantization=INT8_SCHEME, quantized=quantized)
     meta["format"] = CHECKPOINT_FORMAT
-    return atomic_save_safetensors(weights, out, {"rtrainer": json.dumps(seal_metadata(meta, weights))})   # checked on load
+    return atomic_save_safetensors(weights, out, {"rtrainer": json.dumps(seal_metadata(meta, weights))}, overwrite=replace)   # checked on load
 
 # %% ../nbs/08a_export.ipynb #0a6f5c61
 def quantization_axis(name):
@@ -394,7 +394,7 @@ def run_export(args):
         print(f"wrote {out}/ ({hf_architecture(c)}, {size / 1e6:.1f} MB) from step {meta.get('step')}")
         return 0
     check_output(args.out, args.force)
-    out = export_file(args.checkpoint, args.out, args.dtype, args.quantize, args.with_optimizer)
+    out = export_file(args.checkpoint, args.out, args.dtype, args.quantize, args.with_optimizer, replace=args.force)
     _, meta = read_any_checkpoint(out)                                   # read back as a reader will: checked, dequantized
     what = "weights and optimizer state" if args.with_optimizer else f"weights, {args.quantize or args.dtype}"
     print(f"wrote {out} ({what}, {size_of(out) / 1e6:.1f} MB) from step {meta.get('step')}")
@@ -434,7 +434,9 @@ def init_from_checkpoint_file(args):
     if getattr(args, "init_moments", False): raise ValueError(f"--init-moments: {path} holds weights only, no optimizer moments")
     tensors, meta = read_any_checkpoint(path)
     out = Path(train_config_from_args(args).out_dir) / "init-from" / "model.safetensors"
-    atomic_save_safetensors(tensors, out, {"rtrainer": json.dumps(dict(meta, converted_from=str(path)), default=list)})
+    meta = dict(meta, converted_from=str(path), optimizer=meta.get("optimizer") or dict(step_count=0), format=CHECKPOINT_FORMAT)
+    meta = {k: v for k, v in meta.items() if k not in ("weights", "checksums")}     # plain float weights now, sealed afresh
+    atomic_save_safetensors(tensors, out, {"rtrainer": json.dumps(seal_metadata(meta, tensors), default=list)})
     print(f"--init-from {path}: converted to {out}")
     args.init_from = str(out)
     return args

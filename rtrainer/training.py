@@ -370,8 +370,8 @@ def check_checkpoint_metadata(meta, path):
     if not isinstance(meta.get("model_config"), dict): raise ValueError(f"{path}: metadata has no model_config")
 
 def read_checkpoint(path, transform=None):
-    """(tensors dict, metadata dict) of a checkpoint file or folder, checked before anything uses it: the checksums, the
-    metadata's model config against the tensors' shapes, and that no parameter or moment is NaN or infinite.
+    """(tensors dict, metadata dict) of a checkpoint file or folder, checked before anything uses it: the metadata's model
+    config against the tensors' shapes, the checksums, and that no parameter or moment is NaN or infinite.
     `transform(tensors, meta)`, applied after the checksums to quantized weights, turns them back into weights (the
     export chapter's int8 reader); without it, quantized weights are refused."""
     path = resolve_checkpoint(path)
@@ -385,11 +385,13 @@ def read_checkpoint(path, transform=None):
     try: meta = json.loads(raw)
     except json.JSONDecodeError as e: raise ValueError(f"{path}: its rtrainer metadata is not valid JSON ({e})") from None
     check_checkpoint_metadata(meta, path)
+    scheme = (meta.get("weights") or {}).get("quantization")
+    if not scheme: check_tensors_match_config({k: tuple(v.shape) for k, v in tensors.items()}, meta["model_config"], path)  # names the field
     if meta["format"] == CHECKPOINT_FORMAT: check_checksums(meta, tensors, path)
-    if scheme := (meta.get("weights") or {}).get("quantization"):
+    if scheme:
         if transform is None: raise ValueError(f"{path}: its weights are quantized ({scheme}); read it with `rtrainer eval` or `rtrainer generate`, which dequantize")
         tensors = transform(tensors, meta)
-    check_tensors_match_config({k: tuple(v.shape) for k, v in tensors.items()}, meta["model_config"], path)
+        check_tensors_match_config({k: tuple(v.shape) for k, v in tensors.items()}, meta["model_config"], path)
     if bad := non_finite_tensor(tensors): raise ValueError(f"{path}: tensor {bad} holds a NaN or an infinity")
     return tensors, meta
 
