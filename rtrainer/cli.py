@@ -29,15 +29,19 @@ SUBCOMMANDS = {
 
 # %% ../nbs/09_cli.ipynb #7c6e4dca
 def add_train_arguments(p):
-    "`rtrainer train` flags: the training chapter's, `--dp`, and `--nproc`."
+    "`rtrainer train` flags: the training chapter's, `--dp`, `--ep`, and `--nproc`."
     from rtrainer.training import add_train_arguments as add_training_flags
     from rtrainer.distributed import add_distributed_arguments
-    add_training_flags(p); add_distributed_arguments(p)
+    from rtrainer.expert_parallel import add_expert_parallel_arguments
+    add_training_flags(p); add_distributed_arguments(p); add_expert_parallel_arguments(p)
     p.add_argument("--nproc", type=int, default=1, help="processes (one per GPU) to start through torchrun")
 
 def run_train(args):
     "Dispatch `rtrainer train`: torchrun launcher, distributed worker, or the plain trainer."
     if args.nproc < 1: raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
+    if getattr(args, "ep", None):                 # expert parallelism: its chapter launches and runs the workers
+        from rtrainer.expert_parallel import run_expert_parallel_train
+        return run_expert_parallel_train(args)
     if args.nproc > 1:
         from rtrainer.distributed import launch_torchrun
         return launch_torchrun(args.nproc, args.argv)

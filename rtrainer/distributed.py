@@ -221,6 +221,7 @@ class DistributedTrainer(Trainer):
         """Start summing each of `block`'s gradients over the ranks, in place in its fp32 `main_grad` (autograd's `.grad`
         folded in and cleared; zero where it has none). Every rank starts the same all-reduces in the same order."""
         for p in block.parameters():
+            if isinstance(p, DTensor): continue      # sharded (expert parallelism's experts): its gradient is its own
             g = gradient_fp32(p)
             buf, _ = main_grad_for_write(p)
             if g is None: buf.zero_()
@@ -253,7 +254,8 @@ class DistributedTrainer(Trainer):
         `main_grad` (autograd's `.grad` folded in and cleared). The blocks' sums were started in the backward; the rest
         (embedding, final norm, classifier) go in flat fp32 buckets now. Parameters without a gradient on any rank
         stay without one."""
-        params, started, self.in_flight = self.optimizer.params, self.in_flight, {}
+        params = [p for p in self.optimizer.params if not isinstance(p, DTensor)]   # DTensors are sharded: not averaged
+        started, self.in_flight = self.in_flight, {}
         for work, _ in started.values(): work.wait()
         local = [None if id(p) in started else gradient_fp32(p) for p in params]
         present = torch.tensor([float(started[id(p)][1] if id(p) in started else g is not None) for p, g in zip(params, local)],
@@ -491,15 +493,15 @@ def wait_for_bundled_data(cfg):
         if time.monotonic() > deadline: raise FileNotFoundError(f"{manifest}: rank 0 did not prepare the bundled corpus within {DATA_WAIT_S} s")
         time.sleep(1)
 
-def run_distributed_train(args):
-    "`rtrainer train` inside a torchrun worker; returns the exit status."
+def run_distributed_train(args, trainer_class=None):
+    "`rtrainer train` inside a torchrun worker (the trainer: `trainer_class`, default DistributedTrainer); returns the exit status."
     cfg = train_config_from_args(args)
     mcfg = model_config_from_args(args, cfg.seq_len)
     wait_for_bundled_data(cfg)
     rank, _, _ = init_distributed(cfg.device)
     trainer, status, report = None, 1, []
     try:
-        trainer = DistributedTrainer(cfg, mcfg, dp=getattr(args, "dp", None) or os.environ.get("RTRAINER_DP", "fsdp"))
+        trainer = (trainer_class or DistributedTrainer)(cfg, mcfg, dp=getattr(args, "dp", None) or os.environ.get("RTRAINER_DP", "fsdp"))
         trainer.run()
         last = [r for r in trainer.history if r.get("sample")]
         if last: report.append(f"sample: {last[-1]['sample']!r}")
