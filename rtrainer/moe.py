@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from . import matmul  # noqa: F401 (imported for its registration: the shared expert's "linear" op)
 from .kernels import (INTERPRETING, KERNELS_CAN_RUN, register_op, get_op, resolve_impl, at_least_fp32, swiglu_reference,
                               swiglu_forward, SWIGLU_BLOCK, SWIGLU_NUM_WARPS, weight_grad_buffer, finish_weight_grad, start_gradient_step,
                               gradient_fp32, median_ms, sustained_ms, peak_bytes, alternation, ratio_interval, save_results, knob_values,
