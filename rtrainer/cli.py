@@ -30,23 +30,22 @@ SUBCOMMANDS = {
 
 # %% ../nbs/09_cli.ipynb #7c6e4dca
 def add_train_arguments(p):
-    "`rtrainer train` flags: the training chapter's, `--dp`, and `--nproc`."
+    "`rtrainer train` flags: the training chapter's, `--dp`, `--ep`, and `--nproc`."
     from rtrainer.training import add_train_arguments as add_training_flags
     from rtrainer.distributed import add_distributed_arguments
-    add_training_flags(p); add_distributed_arguments(p)
+    from rtrainer.expert_parallel import add_expert_parallel_arguments
+    add_training_flags(p); add_distributed_arguments(p); add_expert_parallel_arguments(p)
     p.add_argument("--nproc", type=int, default=1, help="processes (one per GPU) to start through torchrun")
 
 def run_train(args):
     "Dispatch `rtrainer train`: torchrun launcher, distributed worker, or the plain trainer."
     if args.nproc < 1: raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
-    if args.nproc > 1:   # the flags are checked here first, so that a mistake is one line rather than a failed torchrun
-        from rtrainer.training import train_config_from_args, model_config_from_args
-        from rtrainer.distributed import launch_torchrun
-        cfg = train_config_from_args(args); model_config_from_args(args, cfg.seq_len)
-        argv = list(args.argv)
-        if args.out_dir is None: argv += ["--out-dir", cfg.out_dir]   # the folder chosen here, for every rank
-        if args.checkpoint_dir is None and cfg.checkpoint_dir: argv += ["--checkpoint-dir", cfg.checkpoint_dir]
-        return launch_torchrun(args.nproc, argv)
+    if getattr(args, "ep", None):                 # expert parallelism: its chapter launches and runs the workers
+        from rtrainer.expert_parallel import run_expert_parallel_train
+        return run_expert_parallel_train(args)
+    if args.nproc > 1:
+        from rtrainer.distributed import launch_train
+        return launch_train(args)
     from rtrainer.export import init_from_checkpoint_file
     args = init_from_checkpoint_file(args)   # --init-from a transformers folder or an int8 export: converted to a checkpoint file
     if "WORLD_SIZE" in os.environ or args.dp:

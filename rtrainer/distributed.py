@@ -7,13 +7,14 @@ Docs: https://example.invalid/rtrainer/rtrainer/distributed.html.md"""
 # %% auto #0
 __all__ = ['MULTICAST_OFF', 'DIST_TIMEOUT_S', 'DATA_PARALLEL', 'DDP_BUCKET_BYTES', 'WEIGHT_GRAD_OPS', 'DCP_INDEX_NAME',
            'DCP_INDEX_FORMAT', 'DCP_DTYPES', 'DATA_WAIT_S', 'ERROR_FILE_ENV', 'ENGINE_LABELS', 'strip_nproc',
-           'torchrun_command', 'worker_environment', 'launch_torchrun', 'distributed_environment', 'init_distributed',
-           'ShardableBlock', 'ShardableTransformerLm', 'local_tensor', 'ShardedAdamW', 'use_autograd_weight_grads',
-           'DistributedTrainer', 'checkpoint_metadata', 'file_crc32', 'dcp_index', 'dcp_metadata', 'JsonIndexWriter',
-           'write_dcp_checkpoint', 'JsonIndexReader', 'resolve_distributed_checkpoint', 'read_distributed_checkpoint',
-           'prune_distributed_checkpoints', 'export_checkpoint', 'add_distributed_arguments', 'wait_for_bundled_data',
-           'run_distributed_train', 'end_worker', 'main', 'throughput_flags', 'fraction_of_reference', 'engine_rows',
-           'benchmark_suite', 'scaling_rows', 'scaling_suite', 'loss_curve_suite']
+           'torchrun_command', 'worker_environment', 'launch_torchrun', 'launch_train', 'distributed_environment',
+           'init_distributed', 'ShardableBlock', 'ShardableTransformerLm', 'local_tensor', 'ShardedAdamW',
+           'use_autograd_weight_grads', 'DistributedTrainer', 'checkpoint_metadata', 'file_crc32', 'dcp_index',
+           'dcp_metadata', 'JsonIndexWriter', 'write_dcp_checkpoint', 'JsonIndexReader',
+           'resolve_distributed_checkpoint', 'read_distributed_checkpoint', 'prune_distributed_checkpoints',
+           'export_checkpoint', 'add_distributed_arguments', 'wait_for_bundled_data', 'run_distributed_train',
+           'end_worker', 'main', 'throughput_flags', 'fraction_of_reference', 'engine_rows', 'benchmark_suite',
+           'scaling_rows', 'scaling_suite', 'loss_curve_suite']
 
 # %% ../nbs/08_distributed.ipynb #f09253a6
 import argparse, dataclasses, datetime, functools, gc, json, math, os, re, shlex, shutil, signal, subprocess, sys, tempfile, threading, time, warnings, zlib
@@ -86,6 +87,15 @@ def launch_torchrun(nproc, argv):
             print(verdict["message"], file=sys.stderr)
             return int(verdict["status"])
         return status
+
+def launch_train(args):
+    """`rtrainer train --nproc N` in the launcher: the flags are checked here first, so that a mistake is one line rather
+    than a failed torchrun, and the run's folders are chosen here, once for every rank; then torchrun starts the workers."""
+    cfg = train_config_from_args(args); model_config_from_args(args, cfg.seq_len)
+    argv = list(args.argv)
+    if args.out_dir is None: argv += ["--out-dir", cfg.out_dir]
+    if args.checkpoint_dir is None and cfg.checkpoint_dir: argv += ["--checkpoint-dir", cfg.checkpoint_dir]
+    return launch_torchrun(args.nproc, argv)
 
 # %% ../nbs/08_distributed.ipynb #fbfd01df
 def distributed_environment():
@@ -252,6 +262,7 @@ class DistributedTrainer(Trainer):
         """Start summing each of `block`'s gradients over the ranks, in place in its fp32 `main_grad` (autograd's `.grad`
         folded in and cleared; zero where it has none). Every rank starts the same all-reduces in the same order."""
         for p in block.parameters():
+            if isinstance(p, DTensor): continue      # sharded (expert parallelism's experts): its gradient is its own
             g = gradient_fp32(p)
             buf, _ = main_grad_for_write(p)
             if g is None: buf.zero_()
@@ -284,7 +295,8 @@ class DistributedTrainer(Trainer):
         `main_grad` (autograd's `.grad` folded in and cleared). The blocks' sums were started in the backward; the rest
         (embedding, final norm, classifier) go in flat fp32 buckets now. Parameters without a gradient on any rank
         stay without one."""
-        params, started, self.in_flight = self.optimizer.params, self.in_flight, {}
+        params = [p for p in self.optimizer.params if not isinstance(p, DTensor)]   # DTensors are sharded: not averaged
+        started, self.in_flight = self.in_flight, {}
         for work, _ in started.values(): work.wait()
         local = [None if id(p) in started else gradient_fp32(p) for p in params]
         present = torch.tensor([float(started[id(p)][1] if id(p) in started else g is not None) for p, g in zip(params, local)],
@@ -673,17 +685,18 @@ def wait_for_bundled_data(cfg):
 
 ERROR_FILE_ENV = "RTRAINER_ERROR_FILE"   # set by `rtrainer train --nproc N`: where rank 0 leaves the run's verdict for it
 
-def run_distributed_train(args):
-    """`rtrainer train` inside a torchrun worker; returns the exit status. Under `rtrainer train --nproc N` a run that
-    ends in a user error, a non-finite stop or a signal writes its one-line verdict and status to the launcher's error
-    file, and the workers exit 0, so that torchrun adds no report of its own; the launcher prints the line."""
+def run_distributed_train(args, trainer_class=None):
+    """`rtrainer train` inside a torchrun worker (the trainer: `trainer_class`, default DistributedTrainer); returns the exit
+    status. Under `rtrainer train --nproc N` a run that ends in a user error, a non-finite stop or a signal writes its
+    one-line verdict and status to the launcher's error file, and the workers exit 0, so that torchrun adds no report of
+    its own; the launcher prints the line."""
     cfg = train_config_from_args(args)
     mcfg = model_config_from_args(args, cfg.seq_len)
     wait_for_bundled_data(cfg)
     rank, _, _ = init_distributed(cfg.device)
     trainer, status, report = None, 1, []
     try:
-        trainer = DistributedTrainer(cfg, mcfg, dp=getattr(args, "dp", None) or os.environ.get("RTRAINER_DP", "fsdp"))
+        trainer = (trainer_class or DistributedTrainer)(cfg, mcfg, dp=getattr(args, "dp", None) or os.environ.get("RTRAINER_DP", "fsdp"))
         trainer.run()
         if not trainer.nothing_to_do:
             last = [r for r in trainer.history if r.get("sample")]

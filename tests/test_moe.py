@@ -650,3 +650,11 @@ def test_benchmark_arms_quick_leaves_out_max_autotune_only():
     assert list(full) == list(moe.BENCHMARK_ARMS) and len(full) == 12
     assert [n for n in full if n not in quick] == ["torch.compile max-autotune capacity"]
     assert next(iter(quick)) == "torch.compile capacity" and moe.COMPILE_MODES["torch.compile capacity"] == "default"
+
+def test_the_moe_module_alone_runs_a_shared_expert():
+    "In a fresh process that imports only rtrainer.moe, a layer with a shared expert finds the `linear` op it runs."
+    import subprocess, sys
+    code = ("import torch; from rtrainer.moe import MoeFeedForward; "
+            "print(MoeFeedForward(8, 6, 4, 2, shared_expert_d_ff=4)(torch.randn(5, 8)).shape)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "torch.Size([5, 8])" in out.stdout, out.stderr[-2000:]
