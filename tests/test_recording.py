@@ -4,7 +4,7 @@ heavy runs), and by reading the measuring cells of the optimizer, profiling and 
 import json, re
 from pathlib import Path
 import pytest
-from execnb.shell import CaptureShell
+CaptureShell = pytest.importorskip("execnb.shell", reason="needs nbdev's execnb (the dev extra)").CaptureShell
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORDERS = re.compile(r"\b(benchmark_suite|scaling_suite|loss_curve_suite|versus|benchmark_prepare_speed)\(|\[\"profile\"")
