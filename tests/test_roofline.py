@@ -1,5 +1,6 @@
 "The roofline of a training step (profiling chapter): analytic FLOPs and bytes, the kernel classifier, the report's sums."
 import json
+from pathlib import Path
 import pytest
 from rtrainer.attention import attention_flops
 from rtrainer.kernels import load_results, COPY_CEILING_GBPS
@@ -64,6 +65,8 @@ def test_adamw_bytes_follow_the_precision_policy():
         assert adamw["bytes"] == 24 * (counts["total"] - fp32) + 28 * fp32
 
 def test_kernel_floor_is_the_slower_ceiling():
+    measuring = "".join("".join(c["source"]) for c in json.loads((Path(__file__).parent.parent / "nbs" / "measuring.ipynb").read_text())["cells"])
+    assert f"about {GEMM_CEILING_TFLOPS:g} TFLOP/s" in measuring     # the protocol's compute ceiling, stated where it is defined
     assert kernel_floor_ms(GEMM_CEILING_TFLOPS * 1e9, 0) == pytest.approx(1.0)          # 790 GFLOP: 1 ms
     assert kernel_floor_ms(1.0, COPY_CEILING_GBPS * 1e6) == pytest.approx(1.0)          # 4.26 GB: 1 ms
     assert kernel_floor_ms(2 * GEMM_CEILING_TFLOPS * 1e9, COPY_CEILING_GBPS * 1e6) == pytest.approx(2.0)
