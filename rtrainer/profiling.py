@@ -6,15 +6,17 @@ Docs: https://example.invalid/rtrainer/rtrainer/profiling.html.md"""
 
 # %% auto #0
 __all__ = ['PHASES', 'PROFILE_WARMUP_STEPS', 'CHART_ROWS', 'UNUSED_OUT_DIR', 'ARM_GUARD', 'AUTOCAST_TIERS', 'TIERS',
-           'ARM_RESULT_PREFIX', 'CHANGED_FRACTION', 'CHANGED_MIN_MS', 'IMPL_HELP', 'resolve_peak_tflops',
-           'days_for_tokens', 'ProfilingTrainer', 'attribute_device_events', 'device_gaps', 'profile_step',
-           'profile_trainer', 'profile_table', 'profile_chart', 'Worktree', 'run_in_worktree',
-           'tokens_per_s_from_metrics', 'ab_arm', 'summarize_pairs', 'print_summary', 'ab', 'PlainMoe', 'PlainBlock',
-           'PlainTransformer', 'plain_parameter_counts', 'check_parameter_counts', 'gradient_dtypes', 'dtype_census',
-           'PlainAdamW', 'cuda_graphs_recorded', 'run_arm', 'arm_main', 'run_arm_process', 'versus', 'sweep_arch',
-           'changed_rows', 'add_batch_arguments', 'add_rounds_arguments', 'add_profile_arguments', 'run_profile',
-           'add_ab_arguments', 'run_ab', 'add_versus_arguments', 'parse_batches', 'run_versus',
-           'add_sweep_arch_arguments', 'run_sweep_arch']
+           'ARM_RESULT_PREFIX', 'CHANGED_FRACTION', 'CHANGED_MIN_MS', 'IMPL_HELP', 'GEMM_CEILING_TFLOPS',
+           'ROOFLINE_FAMILIES', 'FAMILY_PATTERNS', 'ROOFLINE_METHOD', 'resolve_peak_tflops', 'days_for_tokens',
+           'ProfilingTrainer', 'attribute_device_events', 'device_gaps', 'profile_step', 'profile_trainer',
+           'profile_table', 'profile_chart', 'Worktree', 'run_in_worktree', 'tokens_per_s_from_metrics', 'ab_arm',
+           'summarize_pairs', 'print_summary', 'ab', 'PlainMoe', 'PlainBlock', 'PlainTransformer',
+           'plain_parameter_counts', 'check_parameter_counts', 'gradient_dtypes', 'dtype_census', 'PlainAdamW',
+           'cuda_graphs_recorded', 'run_arm', 'arm_main', 'run_arm_process', 'versus', 'sweep_arch', 'changed_rows',
+           'add_batch_arguments', 'add_rounds_arguments', 'add_profile_arguments', 'run_profile', 'add_ab_arguments',
+           'run_ab', 'add_versus_arguments', 'parse_batches', 'run_versus', 'add_sweep_arch_arguments',
+           'run_sweep_arch', 'kernel_floor_ms', 'step_kernels', 'step_floor', 'kernel_family', 'measured_families',
+           'roofline_report', 'roofline_table', 'roofline_suite']
 
 # %% ../nbs/07_profiling.ipynb #973d0d1b
 import json, math, os, shlex, shutil, subprocess, sys, tempfile, time
@@ -823,7 +825,7 @@ def run_profile(args):
         rows = [dict(name=f"[phase] {k}", ms=v) for k, v in report["phases_ms"].items()] + report["rows"] + [
             dict(name="all kernels", ms=report["kernel_sum_ms"]), dict(name="unattributed", ms=report["unattributed_ms"]),
             dict(name="full step", ms=report["full_step_ms"])]
-        print(f"recorded: {save_results(f'profile_{args.config}', rows, batch_size=report['batch_size'], seq_len=report['seq_len'], config=args.config, method=report['method'], full_step_without_profiler_ms=report['unprofiled_step_ms'], device_idle_ms=report['device_idle_ms'], largest_gaps=report['largest_gaps'])}")
+        print(f"recorded: {save_results(f'profile_{args.config}', rows, batch_size=report['batch_size'], seq_len=report['seq_len'], config=args.config, method=report['method'], full_step_without_profiler_ms=report['unprofiled_step_ms'], device_idle_ms=report['device_idle_ms'], largest_gaps=report['largest_gaps'], roofline=roofline_report(model_config(args.config, vocab_size=getattr(args, 'vocab_size', None)), report['batch_size'], report['seq_len'], report))}")
     if base:
         print(f"full step: baseline {args.baseline_ref} ({base['commit'][:10]}) {base['full_step_ms']:.3f} ms, "
               f"this tree {report['full_step_ms']:.3f} ms ({report['full_step_ms'] / base['full_step_ms']:.3f}x)")
@@ -883,3 +885,155 @@ def run_sweep_arch(args):
     keys = ["d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "n_experts", "top_k", "expert_d_ff", "vocab_size", "impl"]
     res = sweep_arch(args.config, args.batch_size, args.seq_len, args.warmup, peak_tflops=args.peak_tflops, **{k: getattr(args, k) for k in keys})
     return 0 if res.get("tokens_per_s") else 1
+
+# %% ../nbs/07_profiling.ipynb #7fbcbc87
+from .kernels import COPY_CEILING_GBPS, load_results    # the copy ceiling; recorded profiles
+
+GEMM_CEILING_TFLOPS = 790.0   # bf16 8192^3 matmul on the H200 (nbs/measuring.ipynb); best model-shape GEMM in data/results/gemm.json: 778
+ROOFLINE_FAMILIES = ("GEMM", "attention", "norms and pointwise", "MoE routing", "optimizer", "other")
+
+def kernel_floor_ms(flops, n_bytes):
+    "The least time of one kernel (ms): its FLOPs at the GEMM ceiling or its bytes at the copy ceiling, whichever is longer."
+    return max(flops / (GEMM_CEILING_TFLOPS * 1e9), n_bytes / (COPY_CEILING_GBPS * 1e6))
+
+def step_kernels(c: ModelConfig, batch_size, seq_len):
+    """The kernels of one training step (forward, backward, optimizer) of `c` at batch_size x seq_len: dicts of name, family,
+    calls, FLOPs (matrix products only), minimal bytes (each input read once, each output written once) and floor_ms."""
+    B, T, N = batch_size, seq_len, batch_size * seq_len
+    D, H, KV, hd = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
+    e = 4 if c.precision == "fp32" else 2                 # bytes of an activation or matrix element (bf16 on a GPU)
+    n_moe = sum(c.is_moe_layer(i) for i in range(c.n_layers)); n_dense = c.n_layers - n_moe
+    routed = c.top_k * N                                  # rows the experts multiply: the routed token count
+    kernels = []
+    def add(name, family, calls, flops, n_bytes):        # flops and n_bytes of one call
+        if calls: kernels.append(dict(name=name, family=family, calls=calls, flops=calls * flops, bytes=calls * n_bytes,
+                                      floor_ms=calls * kernel_floor_ms(flops, n_bytes)))
+    def linear(name, calls, rows, d_in, d_out, weights=1):   # x (rows, d_in) @ W (d_in, d_out) and its two gradients
+        flops, w = 2 * rows * d_in * d_out, weights * d_in * d_out
+        add(f"{name}.forward", "GEMM", calls, flops, e * (rows * d_in + w + rows * d_out))          # read x, W; write y
+        add(f"{name}.input_grad", "GEMM", calls, flops, e * (rows * d_out + w + rows * d_in))      # read dy, W; write dx
+        add(f"{name}.weight_grad", "GEMM", calls, flops, e * (rows * d_in + rows * d_out) + 4 * w)  # read x, dy; write fp32 dW
+    linear("qkv", c.n_layers, N, D, (H + 2 * KV) * hd)
+    linear("attention_out", c.n_layers, N, H * hd, D)
+    linear("gate_up", n_dense, N, D, 2 * c.d_ff); linear("down", n_dense, N, c.d_ff, D)
+    linear("expert_gate_up", n_moe, routed, D, 2 * c.expert_d_ff, c.n_experts)
+    linear("expert_down", n_moe, routed, c.expert_d_ff, D, c.n_experts)
+    if c.shared_expert:
+        linear("shared_gate_up", n_moe, N, D, 2 * c.expert_d_ff); linear("shared_down", n_moe, N, c.expert_d_ff, D)
+    linear("lm_head", 1, N, D, c.padded_vocab_size)       # logits written by the forward, their gradient read by both others
+    causal = 2 * B * H * T * T * hd                       # forward: two matmuls over half the score matrix
+    add("flash_attention.forward", "attention", c.n_layers, causal, e * N * (2 * H + 2 * KV) * hd + 4 * N * H)  # read q, k, v; write o, fp32 lse
+    add("flash_attention.backward", "attention", c.n_layers, 5 * causal // 2,                # the scores recomputed: 2.5 x the forward
+        e * N * (4 * H + 4 * KV) * hd + 4 * N * H)                                           # read q, k, v, o, do, lse; write dq, dk, dv
+    pw, table_rows = "norms and pointwise", c.padded_vocab_size if c.tie_embeddings else c.vocab_size
+    add("embedding.forward", pw, 1, 0, 2 * N * D * e)                                   # read N rows, write them
+    add("embedding.backward", pw, 1, 0, N * D * e + table_rows * D * 4)                 # read dy, write the fp32 table gradient
+    add("rms_norm.forward", pw, 1, 0, 2 * N * D * e); add("rms_norm.backward", pw, 1, 0, 3 * N * D * e)
+    add("add_rms_norm.forward", pw, 2 * c.n_layers, 0, 4 * N * D * e)                   # read x, residual; write the sum, y
+    add("add_rms_norm.backward", pw, 2 * c.n_layers, 0, 4 * N * D * e)                  # read dy, the sum, its gradient; write dx
+    rotated = N * (H + KV) * hd                                                         # q and k
+    add("rope.forward", pw, c.n_layers, 0, 2 * rotated * e); add("rope.backward", pw, c.n_layers, 0, 2 * rotated * e)
+    add("swiglu.forward", pw, n_dense, 0, 3 * N * c.d_ff * e); add("swiglu.backward", pw, n_dense, 0, 5 * N * c.d_ff * e)
+    expert_rows = routed + (N if c.shared_expert else 0)
+    add("expert_swiglu.forward", pw, n_moe, 0, 3 * expert_rows * c.expert_d_ff * e)
+    add("expert_swiglu.backward", pw, n_moe, 0, 5 * expert_rows * c.expert_d_ff * e)
+    add("cross_entropy", pw, 1, 0, 2 * N * c.padded_vocab_size * e)                     # read the logits, write their gradient
+    E, k, moe = c.n_experts, c.top_k, "MoE routing"
+    add("router.forward", moe, n_moe, 2 * N * D * E, N * D * e + 4 * D * E + 4 * N * E + 12 * N * k)  # read x, fp32 W; write probs, top-k ids, weights
+    add("router.backward", moe, n_moe, 4 * N * D * E, 4 * N * E + 2 * N * D * e + 8 * D * E)         # read dprobs, x, W; write dx, dW
+    add("dispatch.forward", moe, n_moe, 0, (N + routed) * D * e)                  # read each token once, write its routed rows
+    add("combine.forward", moe, n_moe, 0, (routed + N) * D * e + 4 * routed)       # read routed rows and weights; write N rows
+    add("combine.backward", moe, n_moe, 0, (N + 2 * routed) * D * e + 4 * routed)  # read dy, expert outputs; write their gradients
+    add("dispatch.backward", moe, n_moe, 0, (routed + N) * D * e)                 # read routed-row gradients; write their sums
+    counts = parameter_counts(c)
+    fp32_params = counts["norms"] + n_moe * D * E if e == 2 else counts["total"]    # the policy: norms and router stay fp32
+    add("adamw", "optimizer", 1, 0, (counts["total"] - fp32_params) * (2 * e + 20) + fp32_params * (2 * 4 + 20))  # weight r/w, m and v r/w, fp32 grad r
+    add("grad_norm", "optimizer", 1, 0, 4 * counts["total"])                       # read every fp32 gradient
+    return kernels
+
+def step_floor(c: ModelConfig, batch_size, seq_len):
+    "{family: dict(flops, bytes, floor_ms)} of one training step, `step_kernels` summed by family (every family present)."
+    out = {f: dict(flops=0, bytes=0, floor_ms=0.0) for f in ROOFLINE_FAMILIES}
+    for kernel in step_kernels(c, batch_size, seq_len):
+        for key in ("flops", "bytes", "floor_ms"): out[kernel["family"]][key] += kernel[key]
+    return out
+
+# %% ../nbs/07_profiling.ipynb #19ae6d75
+FAMILY_PATTERNS = (   # (family, lower-case pieces of kernel names), first match wins
+    ("attention", ("flash_", "hopper_forward_kernel", "hopper_dq_kernel", "hopper_dkdv_kernel")),
+    ("MoE routing", ("router_", "capacity_plan", "dropless_plan", "gather_rows", "combine_rows")),
+    ("optimizer", ("adamw", "sum_of_squares", "multi_tensor")),
+    ("GEMM", ("nvjet", "gemm", "matmul_kernel", "cublas", "cutlass", "xmma", "splitkreduce", "tma_weight_grad")),
+    ("norms and pointwise", ("rms_norm", "rope", "swiglu", "cross_entropy", "embedding", "elementwise", "reduce_kernel",
+                             "memset", "memcpy dtod", "catarray", "radixsort", "searchsorted", "fill_reverse_indices")),
+)
+
+def kernel_family(row_name):
+    "The roofline family of a profile row 'phase.kernel' (or of a bare kernel name); 'other' when no pattern matches."
+    phase, _, kernel = row_name.partition(".")
+    if phase == "optimizer": return "optimizer"
+    name = (kernel if phase in (*PHASES, "other") else row_name).lower()
+    return next((family for family, pieces in FAMILY_PATTERNS if any(p in name for p in pieces)), "other")
+
+def _profile_parts(profile):
+    """(kernel rows {name, ms}, kernel sum ms, step ms without the profiler, device idle ms) of a `profile_step` report or a
+    recorded data/results/profile_*.json, whose rows also hold the phases and the sums as `profile_table` names them."""
+    rows = [dict(name=r.get("name", r.get("row")), ms=r["ms"]) for r in profile["rows"]]
+    is_sum = lambda n: n.startswith(("[phase]", "all ", "unattributed")) or n == "full step"
+    kernel_sum = next((r["ms"] for r in rows if r["name"].startswith("all ")), profile.get("kernel_sum_ms"))
+    step = profile.get("full_step_without_profiler_ms", profile.get("unprofiled_step_ms"))
+    return [r for r in rows if not is_sum(r["name"])], kernel_sum, step, profile.get("device_idle_ms") or 0.0
+
+def measured_families(profile):
+    "{family: ms} of a profile's kernels; time its rows leave unlisted (a profile recorded from a printed table) is 'other'."
+    kernels, kernel_sum, _, _ = _profile_parts(profile)
+    out = dict.fromkeys(ROOFLINE_FAMILIES, 0.0)
+    for r in kernels: out[kernel_family(r["name"])] += r["ms"]
+    out["other"] += max(0.0, kernel_sum - sum(r["ms"] for r in kernels))
+    return out
+
+def roofline_report(c: ModelConfig, batch_size, seq_len, profile=None):
+    """The step's floor by family; given a profile of that step, each family's measured time and gap, the launch gaps
+    (device idle), and the remainder (step without the profiler - kernels - idle) that closes the sum."""
+    floors = step_floor(c, batch_size, seq_len)
+    report = dict(batch_size=batch_size, seq_len=seq_len, floor_ms=sum(f["floor_ms"] for f in floors.values()),
+                  families=[dict(family=f, **v) for f, v in floors.items()], measured=None)
+    if profile is None: return report
+    measured = measured_families(profile)
+    _, kernel_sum, step, idle = _profile_parts(profile)
+    for row in report["families"]: row.update(measured_ms=measured[row["family"]], gap_ms=measured[row["family"]] - row["floor_ms"])
+    report["measured"] = dict(step_ms=step, kernel_sum_ms=kernel_sum, launch_gaps_ms=idle, remainder_ms=step - kernel_sum - idle,
+                              gap_ms=step - report["floor_ms"])
+    return report
+
+def roofline_table(report):
+    "The report as text: each family's FLOPs, GB, floor, measured time and gap; then launch gaps, remainder and the step."
+    m = report["measured"]
+    number = lambda v, width=9: f"{v:>{width}.2f}" if v is not None else f"{'-':>{width}}"
+    lines = [f"{'family':<20} {'FLOP':>9} {'GB':>7} {'floor ms':>9} {'measured':>9} {'gap ms':>8}"]
+    for r in report["families"]:
+        lines.append(f"{r['family']:<20} {r['flops']:>9.2e} {r['bytes'] / 1e9:>7.2f} {r['floor_ms']:>9.2f} "
+                     f"{number(r.get('measured_ms'))} {number(r.get('gap_ms'), 8)}")
+    if m:
+        for label, key in [("launch gaps", "launch_gaps_ms"), ("remainder", "remainder_ms")]:
+            lines.append(f"{label:<20} {'':>9} {'':>7} {0:>9.2f} {m[key]:>9.2f} {m[key]:>8.2f}")
+    lines.append(f"{'step':<20} {'':>9} {'':>7} {report['floor_ms']:>9.2f} {number(m and m['step_ms'])} {number(m and m['gap_ms'], 8)}")
+    return "\n".join(lines)
+
+# %% ../nbs/07_profiling.ipynb #f3c4f54a
+ROOFLINE_METHOD = ("floors analytic (step_kernels: FLOPs at GEMM_CEILING_TFLOPS, bytes at kernels.COPY_CEILING_GBPS, the larger per "
+                   "kernel, summed); measured times from the recorded data/results/profile_CONFIG.json")
+
+def roofline_suite(configs=tuple(REFERENCE_BATCH), seq_len=1024, save=True):
+    "Roofline reports of `configs` at their reference batch, measured where a profile is recorded; saved as data/results/roofline.json."
+    rows = []
+    for name in configs:
+        profile, batch = load_results(f"profile_{name}"), REFERENCE_BATCH[name]
+        if profile and (profile["batch_size"], profile["seq_len"]) != (batch, seq_len):
+            raise ValueError(f"profile_{name}: B={profile['batch_size']} T={profile['seq_len']}, expected B={batch} T={seq_len}")
+        row = dict(config=name, **roofline_report(model_config(name), batch, seq_len, profile))
+        if profile: row["measured"]["profile"] = dict(file=f"profile_{name}.json", **{k: profile.get(k) for k in ("device", "date", "commit")})
+        else: row["note"] = "not profiled on the GPU yet"
+        rows.append(row)
+    if save: save_results("roofline", rows, method=ROOFLINE_METHOD, gemm_ceiling_tflops=GEMM_CEILING_TFLOPS, copy_ceiling_GBps=COPY_CEILING_GBPS)
+    return rows
