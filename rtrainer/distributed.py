@@ -519,7 +519,7 @@ def checkpoint_metadata(model_config, optimizer, step, train_config=None, extra=
     return dict(format=CHECKPOINT_FORMAT, step=step, model_config=model_config.to_dict(),
                 optimizer=optimizer.hyperparameters(), train=asdict(train_config) if train_config else None,
                 data=dict(seed=train_config.seed, next_step=step) if train_config else None,
-                rtrainer_version=rtrainer.__version__, commit=git_commit(), **(extra or {}))
+                rtrainer_version=rtrainer.__version__, commit=git_commit()) | (extra or {})
 
 def _atomic_write_text(path, text):
     path = Path(path); tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"

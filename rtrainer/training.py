@@ -83,6 +83,8 @@ class TrainConfig:
     init_moments: bool = setting(False, "with --init-from: also take the AdamW moments and step counter")
     allow_resume_changes: bool = setting(False, "with --resume: continue a checkpoint whose data or settings (learning "
                                          "rate, schedule, global batch, seed, ...) differ from this run's, taking this run's")
+    skip_batches: int = setting(0, "with --resume: skip the next N steps' batches of the corpus (past a loss spike); the "
+                                "checkpoints after it keep the offset")
     out_dir: str = setting("runs/tiny", "folder of the metrics, the loss curve and the checkpoints (default: runs/MODEL, or "
                            "runs/MODEL-2, -3, ... if that holds another run; with --resume, the resumed run's folder)")
     device: str = setting("auto", DEVICE_HELP)
@@ -108,7 +110,7 @@ class TrainConfig:
         for name in ["steps", "batch_size", "seq_len", "accumulation", "log_every"]:
             if number(name) <= 0: raise ValueError(f"{_flag(name)} must be positive, got {getattr(self, name)}")
         for name in ["warmup", "eval_every", "eval_batches", "checkpoint_every", "keep", "decay_steps", "seed", "sample_tokens",
-                     "load_balance_decay_steps"]:
+                     "load_balance_decay_steps", "skip_batches"]:
             if number(name) < 0: raise ValueError(f"{_flag(name)} must be >= 0, got {getattr(self, name)}")
         if number("lr", real=True) < 0: raise ValueError(f"--lr must be positive (or 0 for the model's default), got {self.lr}")
         if self.lr == 0: self.lr = DEFAULT_LR.get(self.model, REFERENCE_LR)
@@ -122,6 +124,7 @@ class TrainConfig:
         if self.resume and self.init_from: raise ValueError("--resume and --init-from are exclusive: resume continues a run, init-from starts a new one")
         if self.init_moments and not self.init_from: raise ValueError("--init-moments takes the moments of --init-from's checkpoint: give --init-from too")
         if self.allow_resume_changes and not self.resume: raise ValueError("--allow-resume-changes applies to --resume: give --resume too")
+        if self.skip_batches and not self.resume: raise ValueError("--skip-batches applies to --resume: give the checkpoint to continue past the batches")
         if not self.checkpoints:
             for flag, value in (("--checkpoint-every", self.checkpoint_every), ("--checkpoint-dir", self.checkpoint_dir)):
                 if value: raise ValueError(f"--no-checkpoints and {flag} {value} contradict each other: leave one out")
@@ -295,7 +298,8 @@ def save_checkpoint(path, model, optimizer, step, train_config=None, extra=None,
     meta = dict(format=CHECKPOINT_FORMAT, step=step, model_config=model.config.to_dict(),
                 optimizer=optimizer.hyperparameters(), train=asdict(train_config) if train_config else None,
                 data=dict(seed=train_config.seed, next_step=step) if train_config else None,
-                rtrainer_version=rtrainer.__version__, commit=git_commit(), **(extra or {}))
+                rtrainer_version=rtrainer.__version__, commit=git_commit())
+    meta.update(extra or {})   # a trainer's own data position (after --skip-batches) replaces the plain one
     return atomic_save_safetensors(tensors, path, {"rtrainer": json.dumps(seal_metadata(meta, tensors))}, overwrite=overwrite)
 
 def resolve_checkpoint(path):
@@ -521,7 +525,7 @@ class Trainer:
         self.check_host_memory()
         self.optimizer = AdamW(self.model.named_parameters(), lr=config.lr, betas=tuple(config.betas), eps=config.eps,
                                weight_decay=config.weight_decay, impl=self.model.impl)
-        self.step = 0
+        self.step, self.batch_offset = 0, 0     # the batch of step s is the data's batch s + batch_offset (--skip-batches)
         self.run_id, self.last_checkpoint, self.stop_signal, self.nothing_to_do = uuid.uuid4().hex, None, None, None
         if config.sample_tokens >= model_config.max_seq_len:
             raise ValueError(f"--sample-tokens {config.sample_tokens} must be below the model's max_seq_len {model_config.max_seq_len}")
@@ -590,6 +594,8 @@ class Trainer:
             raise ValueError(f"--resume {path}: this run differs from the checkpoint's: {', '.join(differ)}; "
                              "continue with these settings with --allow-resume-changes")
         if differ: self.log(f"resuming with changes: {', '.join(differ)}")
+        self.batch_offset = int((meta.get("data") or {}).get("batch_offset", 0)) + c.skip_batches
+        if c.skip_batches: self.log(f"skipping {c.skip_batches} steps' batches: step {meta['step']} reads the data's batch {meta['step'] + self.batch_offset}")
 
     def checkpoint_note(self):
         "Which checkpoint holds this run's last good state, for the messages of a stopped run."
@@ -607,12 +613,12 @@ class Trainer:
         c = self.cfg
         B, n = c.batch_size, c.accumulation
         if self.sft_pairs:
-            rng = np.random.default_rng([c.seed, step, self.rank])
+            rng = np.random.default_rng([c.seed, step + self.batch_offset, self.rank])
             picks = rng.choice(len(self.sft_pairs), size=B * n, replace=len(self.sft_pairs) < B * n)
             inputs, targets, mask = supervised_batch([self.sft_pairs[i] for i in picks])
             inputs, targets, mask = (t[:, :c.seq_len].contiguous() for t in (inputs, targets, mask))
         else:
-            inputs, targets = self.data.batch(step, B * n, c.seq_len, rank=self.rank, world_size=self.world_size)
+            inputs, targets = self.data.batch(step + self.batch_offset, B * n, c.seq_len, rank=self.rank, world_size=self.world_size)
             mask = None
         if self.device.type == "cuda":   # from pinned memory the copy is truly asynchronous; from pageable memory it waits for the GPU
             inputs, targets = inputs.pin_memory(), targets.pin_memory()   # (contiguous: a strided pinned view is staged through pageable memory)
@@ -701,8 +707,9 @@ class Trainer:
     def checkpoint_path(self, step): return self.checkpoint_dir / f"step-{step:08d}.safetensors"
 
     def checkpoint_extra(self):
-        "Metadata every checkpoint of this run carries beside save_checkpoint's: the run, its data, its world size."
-        return dict(run_id=self.run_id, data_fingerprint=self.fingerprint, world_size=self.world_size)
+        "Metadata every checkpoint of this run carries beside save_checkpoint's: the run, its data and position, its world size."
+        return dict(run_id=self.run_id, data_fingerprint=self.fingerprint, world_size=self.world_size,
+                    data=dict(seed=self.cfg.seed, next_step=self.step + self.batch_offset, batch_offset=self.batch_offset))
 
     def all_finite(self):
         "Whether every parameter and moment is finite (on the device: one small read)."

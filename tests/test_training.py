@@ -56,6 +56,30 @@ def test_resume_is_bit_exact_with_accumulation(tmp_path):
     assert resumed.optimizer.step_count == 6
 
 
+def test_skip_batches_moves_the_data_position_and_keeps_it(tmp_path):
+    "A resume past N steps' batches reads what a run reads N steps later; its checkpoints, and a later resume, keep the offset."
+    def trainer(steps, out, **kw):
+        t = Trainer(cfg(tmp_path, steps=steps, decay_steps=10, accumulation=2, out_dir=str(tmp_path / out), **kw), model_config("tiny"), log=quiet)
+        seen, batch = [], t.data.batch
+        t.data.batch = lambda step, *a, **k: (seen.append((step, batch(step, *a, **k))), seen[-1][1])[1]
+        return t, seen
+    reference, _ = trainer(10, "reference")
+    first, _ = trainer(3, "first"); first.run()
+    skipped, seen = trainer(5, "skipped", resume=str(tmp_path / "first" / "checkpoints"), skip_batches=2); skipped.run()
+    assert [s for s, _ in seen] == [5, 6]                              # steps 3 and 4 read the batches of steps 5 and 6
+    for step, (_, (inputs, targets)) in zip((3, 4), seen):
+        want, want_targets, _ = reference.host_batches(step + 2)
+        assert torch.equal(inputs, want) and torch.equal(targets, want_targets)
+    _, meta = read_checkpoint(tmp_path / "skipped" / "checkpoints")
+    assert meta["step"] == 5 and meta["data"] == dict(seed=0, next_step=7, batch_offset=2)
+    again, seen = trainer(7, "skipped", resume=str(tmp_path / "skipped" / "checkpoints")); again.run()
+    assert [s for s, _ in seen] == [7, 8]                              # the second resume keeps the offset
+    _, meta = read_checkpoint(tmp_path / "skipped" / "checkpoints")
+    assert meta["step"] == 7 and meta["data"] == dict(seed=0, next_step=9, batch_offset=2)
+    more, seen = trainer(8, "skipped", resume=str(tmp_path / "skipped" / "checkpoints"), skip_batches=1); more.run()
+    assert [s for s, _ in seen] == [10] and read_checkpoint(tmp_path / "skipped" / "checkpoints")[1]["data"]["batch_offset"] == 3
+
+
 def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     t = Trainer(cfg(tmp_path, steps=1), model_config("tiny"), log=quiet); t.run()
     path = tmp_path / "ck.safetensors"
@@ -447,6 +471,8 @@ def test_sigterm_saves_at_the_next_step_boundary(tmp_path, monkeypatch, capsys):
     (["train", "--no-checkpoints", "--checkpoint-every", "1"], "--no-checkpoints and --checkpoint-every 1 contradict"),
     (["train", "--init-moments"], "--init-moments takes the moments of --init-from's checkpoint"),
     (["train", "--allow-resume-changes"], "--allow-resume-changes applies to --resume"),
+    (["train", "--skip-batches", "2"], "--skip-batches applies to --resume"),
+    (["train", "--skip-batches", "-1"], "--skip-batches must be >= 0"),
     (["train", "--on-signal", "ignore"], "--on-signal must be one of save, exit"),
     (["train", "--device", "foo"], "--device 'foo' is not a device"),
     (["train", "--device", "cuda:7"], "--device cuda:7"),
