@@ -7,8 +7,8 @@ Docs: https://example.invalid/rtrainer/rtrainer/training.html.md"""
 # %% auto #0
 __all__ = ['BUNDLED_DATA', 'DEVICE_HELP', 'SWITCH', 'ON_SIGNAL', 'REFERENCE_LR', 'DEFAULT_LR', 'CHECKPOINT_FORMAT',
            'LEGACY_CHECKPOINT_FORMATS', 'SHAPE_FIELDS', 'DATASHEET_PEAK_TFLOPS', 'M_TRIM_THRESHOLD', 'M_MMAP_THRESHOLD',
-           'RUN_FILE', 'RUN_LOCK', 'RESUME_MUST_MATCH', 'GRAPH_WARMUP_STEPS', 'SHAPE_OVERRIDES', 'setting',
-           'TrainConfig', 'resolve_device', 'read_manifest', 'data_fingerprint', 'TrainingData',
+           'RUN_FILE', 'TENSORBOARD_FOLDER', 'RUN_LOCK', 'RESUME_MUST_MATCH', 'GRAPH_WARMUP_STEPS', 'SHAPE_OVERRIDES',
+           'setting', 'TrainConfig', 'resolve_device', 'read_manifest', 'data_fingerprint', 'TrainingData',
            'atomic_save_safetensors', 'remove_temporary_checkpoints', 'tensor_crc32', 'metadata_digest',
            'non_finite_tensor', 'checkpoint_tensors', 'seal_metadata', 'save_checkpoint', 'resolve_checkpoint',
            'parameter_shapes', 'check_tensors_match_config', 'check_checksums', 'check_checkpoint_metadata',
@@ -20,7 +20,7 @@ __all__ = ['BUNDLED_DATA', 'DEVICE_HELP', 'SWITCH', 'ON_SIGNAL', 'REFERENCE_LR',
            'check_counts', 'run_eval', 'add_generate_arguments', 'run_generate']
 
 # %% ../nbs/06_training.ipynb #9db08b8c
-import argparse, ctypes, dataclasses, hashlib, json, math, os, re, shutil, signal, statistics, sys, threading, time, uuid, zlib
+import argparse, ctypes, dataclasses, hashlib, importlib.util, json, math, os, re, shutil, signal, statistics, sys, threading, time, uuid, zlib
 from dataclasses import dataclass, asdict, field
 from pathlib import Path
 import numpy as np
@@ -95,6 +95,8 @@ class TrainConfig:
     sample_prompt: str = setting("The", "prompt of the sample printed at the end")
     sample_tokens: int = setting(32, "tokens in that sample")
     progress: bool = setting(True, "progress bars and the logged table")
+    tensorboard: bool = setting(False, "also write every logged number as a TensorBoard scalar to OUT_DIR/tensorboard/ "
+                                "(rank 0; needs the tensorboard package)")
     on_signal: str = setting("save", "on SIGTERM or SIGINT: save a checkpoint at the next step boundary and stop (save), "
                              "or stop there without one (exit)")
     cuda_graph: str = setting("auto", "replay the whole step as one CUDA graph; by default wherever it applies (a GPU, the "
@@ -128,6 +130,8 @@ class TrainConfig:
         if not self.checkpoints:
             for flag, value in (("--checkpoint-every", self.checkpoint_every), ("--checkpoint-dir", self.checkpoint_dir)):
                 if value: raise ValueError(f"--no-checkpoints and {flag} {value} contradict each other: leave one out")
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard (it is in rtrainer's dev extra)")
         if self.on_signal not in ON_SIGNAL: raise ValueError(f"--on-signal must be one of {', '.join(ON_SIGNAL)}, got {self.on_signal!r}")
         for flag, path in (("--resume", self.resume), ("--init-from", self.init_from), ("--sft", self.sft)):
             if path and not Path(path).exists(): raise FileNotFoundError(f"{flag} {path}: no such file or folder")   # before any data is prepared
@@ -491,6 +495,7 @@ class Stopped(Exception):
         super().__init__(message); self.status = status
 
 RUN_FILE = "run.json"          # in a run's folder: the id of the run that writes there
+TENSORBOARD_FOLDER = "tensorboard"   # in a run's folder: the event files of --tensorboard
 RUN_LOCK = ".run.lock"         # held by the run writing into a folder
 
 def holds_run(folder):
@@ -511,6 +516,7 @@ class Trainer:
     distributed = False   # a subclass whose step talks to other processes (the CUDA graph refuses it)
     unchecked = None      # (step, loss, norm) of the last step whose loss and norm the host has not read yet
     last_loss = None      # the loss of the last step the host has read
+    board = None          # rank 0's TensorBoard writer under --tensorboard, opened at the first metrics row
 
     def __init__(self, config: TrainConfig, model_config: ModelConfig, log=print):
         self.cfg, self.log = config.validate(), log
@@ -815,6 +821,16 @@ class Trainer:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         with open(self.out_dir / "metrics.jsonl", "a") as f: f.write(json.dumps(row) + "\n")
         self.history.append(row)
+        if self.cfg.tensorboard: self.write_scalars(row)
+
+    def write_scalars(self, row):
+        "A metrics row's numbers as TensorBoard scalars at its step, each tagged with its metrics.jsonl name."
+        if self.board is None:
+            from torch.utils.tensorboard import SummaryWriter
+            self.board = SummaryWriter(log_dir=str(self.out_dir / TENSORBOARD_FOLDER))
+        for key, value in row.items():
+            if key not in ("step", "world_size") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.board.add_scalar(key, value, row["step"])
 
     def plot(self):
         if not self.is_main: return
@@ -843,6 +859,7 @@ class Trainer:
         try: return self.train()
         finally:
             restore_signals()
+            if self.board is not None: self.board.close(); self.board = None
             for lock in reversed(locks): lock.__exit__(None, None, None)
 
     def train(self):

@@ -80,6 +80,28 @@ def test_skip_batches_moves_the_data_position_and_keeps_it(tmp_path):
     assert [s for s, _ in seen] == [10] and read_checkpoint(tmp_path / "skipped" / "checkpoints")[1]["data"]["batch_offset"] == 3
 
 
+def test_tensorboard_scalars_are_the_metrics(tmp_path, corpus):
+    "--tensorboard: every number of metrics.jsonl, and nothing else, is a scalar at its step in OUT_DIR/tensorboard/."
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    t = Trainer(cfg(tmp_path, data=corpus, steps=4, log_every=1, eval_every=2, eval_batches=2, tensorboard=True), model_config("tiny"), log=quiet)
+    t.peak_tflops = 1e-6        # a made-up peak, so that the CPU run logs an MFU too
+    t.run()
+    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard")); events.Reload()
+    numbers = {k for r in rows for k, v in r.items() if k != "step" and isinstance(v, (int, float))}
+    assert set(events.Tags()["scalars"]) == numbers >= {"loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mfu"}
+    for tag in numbers:
+        logged = [(r["step"], r[tag]) for r in rows if tag in r]
+        assert [(e.step, e.value) for e in events.Scalars(tag)] == [(s, pytest.approx(v, rel=1e-6)) for s, v in logged], tag
+
+
+def test_tensorboard_without_the_package_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)           # as if it were not installed
+    assert cli("train", "--tensorboard", "--data", "synthetic", "--steps", "1", "--out-dir", tmp_path / "o", "--no-progress") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--tensorboard needs the tensorboard package" in err and not (tmp_path / "o").exists()
+
+
 def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     t = Trainer(cfg(tmp_path, steps=1), model_config("tiny"), log=quiet); t.run()
     path = tmp_path / "ck.safetensors"
