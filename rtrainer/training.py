@@ -8,8 +8,8 @@ Docs: https://example.invalid/rtrainer/rtrainer/training.html.md"""
 __all__ = ['BUNDLED_DATA', 'DEVICE_HELP', 'SWITCH', 'ON_SIGNAL', 'REFERENCE_LR', 'DEFAULT_LR', 'CHECKPOINT_FORMAT',
            'LEGACY_CHECKPOINT_FORMATS', 'SHAPE_FIELDS', 'DATASHEET_PEAK_TFLOPS', 'M_TRIM_THRESHOLD', 'M_MMAP_THRESHOLD',
            'RUN_FILE', 'TENSORBOARD_FOLDER', 'RUN_LOCK', 'RESUME_MUST_MATCH', 'GRAPH_WARMUP_STEPS', 'SHAPE_OVERRIDES',
-           'setting', 'TrainConfig', 'resolve_device', 'read_manifest', 'data_fingerprint', 'TrainingData',
-           'atomic_save_safetensors', 'remove_temporary_checkpoints', 'tensor_crc32', 'metadata_digest',
+           'INIT_CHECKPOINT', 'setting', 'TrainConfig', 'resolve_device', 'read_manifest', 'data_fingerprint',
+           'TrainingData', 'atomic_save_safetensors', 'remove_temporary_checkpoints', 'tensor_crc32', 'metadata_digest',
            'non_finite_tensor', 'checkpoint_tensors', 'seal_metadata', 'save_checkpoint', 'resolve_checkpoint',
            'parameter_shapes', 'check_tensors_match_config', 'check_checksums', 'check_checkpoint_metadata',
            'read_checkpoint', 'check_same_shape', 'load_model_weights', 'prune_checkpoints', 'checkpoint_summary',
@@ -17,10 +17,11 @@ __all__ = ['BUNDLED_DATA', 'DEVICE_HELP', 'SWITCH', 'ON_SIGNAL', 'REFERENCE_LR',
            'Stopped', 'holds_run', 'resolved', 'Trainer', 'load_model', 'side_stream', 'CapturedStep',
            'compare_loss_curves', 'add_train_arguments', 'checkpoint_folder', 'free_run_folder',
            'train_config_from_args', 'model_config_from_args', 'ensure_bundled_data', 'run_train', 'add_eval_arguments',
-           'check_counts', 'run_eval', 'add_generate_arguments', 'run_generate']
+           'check_counts', 'run_eval', 'add_generate_arguments', 'run_generate', 'initial_model',
+           'save_initial_checkpoint', 'add_init_arguments', 'run_init', 'measure_init_checkpoint']
 
 # %% ../nbs/06_training.ipynb #9db08b8c
-import argparse, ctypes, dataclasses, hashlib, importlib.util, json, math, os, re, shutil, signal, statistics, sys, threading, time, uuid, zlib
+import argparse, ctypes, dataclasses, hashlib, importlib.util, json, math, os, re, shutil, signal, statistics, sys, tempfile, threading, time, uuid, zlib
 from dataclasses import dataclass, asdict, field
 from pathlib import Path
 import numpy as np
@@ -304,7 +305,7 @@ def save_checkpoint(path, model, optimizer, step, train_config=None, extra=None,
                 data=dict(seed=train_config.seed, next_step=step) if train_config else None,
                 rtrainer_version=rtrainer.__version__, commit=git_commit())
     meta.update(extra or {})   # a trainer's own data position (after --skip-batches) replaces the plain one
-    return atomic_save_safetensors(tensors, path, {"rtrainer": json.dumps(seal_metadata(meta, tensors))}, overwrite=overwrite)
+    return atomic_save_safetensors(tensors, path, {"rtrainer": json.dumps(seal_metadata(meta, tensors), sort_keys=True)}, overwrite=overwrite)
 
 def resolve_checkpoint(path):
     "A checkpoint file, or the newest step-*.safetensors in a folder."
@@ -1164,3 +1165,64 @@ def run_generate(args, read=read_checkpoint):
     ids = generate(model, tok.encode_ordinary(args.prompt) or [EOT_ID], args.max_new_tokens, args.temperature, args.top_k, args.seed)
     print(args.prompt + tok.decode(ids))
     return 0
+
+# %% ../nbs/06_training.ipynb #982b81d3
+INIT_CHECKPOINT = "step-00000000.safetensors"
+
+def initial_model(model_config, seed=0, device="cpu"):
+    "The model that `rtrainer train --seed SEED` starts from: the seed set, then the model built (its weights drawn)."
+    torch.manual_seed(seed)
+    return TransformerLm(model_config, device=resolve_device(device) if isinstance(device, str) else device)
+
+def save_initial_checkpoint(path, model, seed=0):
+    """Save a freshly built `model` as a step-0 checkpoint: weights and CPU random state, no moments (AdamW's are zeros
+    until the first step, which makes them), the seed as the run's one setting; nothing of when or where it was written."""
+    optimizer = AdamW(model.named_parameters(), impl=model.impl)        # has no moments yet: only its settings are saved
+    position = dict(seed=seed, next_step=0, batch_offset=0)
+    return save_checkpoint(path, model, optimizer, 0, extra=dict(train=dict(seed=seed), data=position))
+
+def add_init_arguments(p):
+    "Flags of `rtrainer init`: the model and its shape overrides, the seed, where to write, the device."
+    p.add_argument("model", help="preset name or model-config JSON")
+    p.add_argument("--out", default="", help=f"the checkpoint file (default: runs/MODEL/checkpoints/{INIT_CHECKPOINT}, "
+                                             "or runs/MODEL-2/..., -3, ... if that holds another run)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights, as `rtrainer train --seed` (default: 0)")
+    p.add_argument("--device", default="auto", help=f"where the weights are drawn, as the run's: {DEVICE_HELP}")
+    for name, typ in SHAPE_OVERRIDES.items(): p.add_argument(_flag(name), type=typ, default=None, help="model override")
+
+def run_init(args):
+    "`rtrainer init`: write a model's step-0 checkpoint and say how to train from it."
+    check_counts(("--seed", args.seed, 0))
+    mcfg = model_config_from_args(args, 0)
+    device = resolve_device(args.device)
+    path = Path(args.out) if args.out else free_run_folder(Path("runs") / Path(args.model).stem) / "checkpoints" / INIT_CHECKPOINT
+    if path.exists(): raise FileExistsError(f"{path}: exists already; rtrainer never rewrites a checkpoint")
+    start = time.perf_counter()
+    save_initial_checkpoint(path, initial_model(mcfg, args.seed, device), args.seed)
+    same = "".join(f" {_flag(k)} {getattr(args, k)}" for k in SHAPE_OVERRIDES if getattr(args, k, None) is not None)
+    print(f"{path}: step 0 of {args.model} at seed {args.seed} on {device}, {path.stat().st_size / 2**30:.3f} GiB in "
+          f"{time.perf_counter() - start:.1f} s; train from it with: rtrainer train {args.model} --resume {path}"
+          f"{f' --seed {args.seed}' if args.seed else ''}{same}")
+    return 0
+
+def measure_init_checkpoint(config="moe4b", seed=0, folder=None):
+    """Size of `config`'s step-0 checkpoint, and the seconds to build the model fresh, to save it and to load it into a
+    built model (read, checked, copied), recorded in data/results/init_checkpoint.json (GPU suite stage init-CONFIG)."""
+    from .kernels import save_results
+    device = resolve_device("auto")
+    sync = lambda: torch.cuda.synchronize(device) if device.type == "cuda" else None
+    folder = Path(folder or tempfile.mkdtemp())
+    path = folder / f"{config}-{INIT_CHECKPOINT}"
+    mcfg = model_config(config)
+    start = time.perf_counter(); model = initial_model(mcfg, seed, device); sync(); build_s = time.perf_counter() - start
+    start = time.perf_counter(); save_initial_checkpoint(path, model, seed); save_s = time.perf_counter() - start
+    with torch.no_grad():
+        for p in model.parameters(): p.zero_()            # the load has to put every weight back
+    start = time.perf_counter(); tensors, _ = read_checkpoint(path); load_model_weights(model, tensors, path); sync()
+    load_s = time.perf_counter() - start
+    restored = all(tensor_crc32(p) == tensor_crc32(tensors[f"model.{n}"]) for n, p in model.named_parameters())
+    row = dict(config=config, parameters=parameter_counts(mcfg)["total"], size_gib=path.stat().st_size / 2**30,
+               build_s=build_s, save_s=save_s, load_s=load_s, load_over_build=load_s / build_s, restored=restored)
+    path.unlink()
+    print(row)
+    return save_results("init_checkpoint", [row], seed=seed)

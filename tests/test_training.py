@@ -102,6 +102,30 @@ def test_tensorboard_without_the_package_is_refused(tmp_path, capsys, monkeypatc
     assert err.count("\n") == 1 and "--tensorboard needs the tensorboard package" in err and not (tmp_path / "o").exists()
 
 
+def test_init_checkpoints_are_the_same_bytes_and_train_as_the_seed(tmp_path, capsys):
+    "`rtrainer init`: two calls (two processes) write the same bytes, no moments; --resume and --init-from train as the seed does."
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    assert cli("init", "tiny", "--out", a, "--seed", "3", "--device", "cpu") == 0
+    assert f"rtrainer train tiny --resume {a} --seed 3" in capsys.readouterr().out
+    r = subprocess.run([sys.executable, "-m", "rtrainer", "init", "tiny", "--out", str(b), "--seed", "3", "--device", "cpu"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert a.read_bytes() == b.read_bytes()
+    tensors, meta = read_checkpoint(a)
+    assert meta["step"] == 0 and meta["optimizer"]["step_count"] == 0 and not any(k.startswith("optim.") for k in tensors)
+    assert meta["train"] == {"seed": 3} and meta["data"] == dict(seed=3, next_step=0, batch_offset=0) and "run_id" not in meta
+    def run(out, **kw):
+        t = Trainer(cfg(tmp_path, steps=3, out_dir=str(tmp_path / out), **{"seed": 3, **kw}), model_config("tiny"), log=quiet); t.run(); return t
+    fresh, resumed, initialized = run("fresh"), run("resumed", resume=str(a)), run("initialized", init_from=str(a))
+    for other in (resumed, initialized):
+        for (n, p), q in zip(fresh.model.named_parameters(), other.model.parameters()): assert torch.equal(p, q), n
+        for k, v in fresh.optimizer.state_tensors().items(): assert torch.equal(v, other.optimizer.state_tensors()[k]), k
+    with pytest.raises(ValueError, match="--seed 4 .checkpoint 3."): run("other-seed", resume=str(a), seed=4)
+    assert cli("init", "tiny", "--out", a, "--device", "cpu") == 2 and "exists already" in capsys.readouterr().err
+    assert cli("init", "tiny", "--out", tmp_path / "c.safetensors", "--seed", "-1") == 2
+    assert "--seed must be an integer >= 0" in capsys.readouterr().err and not (tmp_path / "c.safetensors").exists()
+
+
 def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     t = Trainer(cfg(tmp_path, steps=1), model_config("tiny"), log=quiet); t.run()
     path = tmp_path / "ck.safetensors"
