@@ -1170,7 +1170,7 @@ def run_generate(args, read=read_checkpoint):
 INIT_CHECKPOINT = "step-00000000.safetensors"
 
 def initial_model(model_config, seed=0, device="cpu"):
-    "The model that `rtrainer train --seed SEED` starts from: the seed set, then the model built (its weights drawn)."
+    "The model that `rtrainer train --seed SEED` starts from: the run's seed set, then the model built (its weights drawn from its config's seed)."
     torch.manual_seed(seed)
     return TransformerLm(model_config, device=resolve_device(device) if isinstance(device, str) else device)
 
@@ -1186,7 +1186,7 @@ def add_init_arguments(p):
     p.add_argument("model", help="preset name or model-config JSON")
     p.add_argument("--out", default="", help=f"the checkpoint file (default: runs/MODEL/checkpoints/{INIT_CHECKPOINT}, "
                                              "or runs/MODEL-2/..., -3, ... if that holds another run)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights, as `rtrainer train --seed` (default: 0)")
+    p.add_argument("--seed", type=int, default=0, help="the run's seed, as `rtrainer train --seed`: the random state saved, checked on --resume (default: 0)")
     p.add_argument("--device", default="auto", help=f"where the weights are drawn, as the run's: {DEVICE_HELP}")
     for name, typ in SHAPE_OVERRIDES.items(): p.add_argument(_flag(name), type=typ, default=None, help="model override")
 
