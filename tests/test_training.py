@@ -126,6 +126,34 @@ def test_init_checkpoints_are_the_same_bytes_and_train_as_the_seed(tmp_path, cap
     assert "--seed must be an integer >= 0" in capsys.readouterr().err and not (tmp_path / "c.safetensors").exists()
 
 
+@pytest.mark.parametrize("impl, preset", [("torch", "tiny"), ("torch", "tiny_moe"), ("triton", "tiny"), ("triton", "tiny_moe")])
+def test_activation_checkpointing_gives_the_plain_gradients(tmp_path, impl, preset):
+    "selective and full rerun the forward in the backward; a step of two micro-batches writes each fp32 gradient as without."
+    from rtrainer.kernels import gradient_fp32
+    grads, runs = {}, {}
+    for mode in ("none", "selective", "full"):
+        t = Trainer(cfg(tmp_path / mode, accumulation=2, activation_checkpointing=mode), model_config(preset, impl=impl, vocab_size=512), log=quiet)
+        assert t.model.impl == impl
+        forward, runs[mode] = t.model._attention, []
+        t.model._attention = lambda blk, x: (runs[mode].append(t.model.replaying), forward(blk, x))[1]
+        stats, norm, _ = t.accumulate(t.micro_batches(0), 0.01)
+        grads[mode] = {n: gradient_fp32(p).clone() for n, p in t.model.named_parameters()}
+        assert len(t.model.moe_stats) == sum(blk.moe is not None for blk in t.model.blocks)   # once, not again by the rerun
+    layers = model_config(preset).n_layers
+    assert runs["none"] == [False] * 2 * layers                    # two micro-batches, each attention run once
+    assert runs["selective"] == runs["full"] == ([False] * layers + [True] * layers) * 2   # then again in each backward
+    for mode in ("selective", "full"):
+        for name, g in grads["none"].items():
+            assert ((grads[mode][name] - g).norm() / g.norm()).item() < 1e-6, (mode, name)
+
+
+def test_activation_checkpointing_and_the_cuda_graph(tmp_path, capsys):
+    assert cli("train", "--activation-checkpointing", "full", "--cuda-graph", "--data", "synthetic", "--out-dir", tmp_path / "o", "--no-progress") == 2
+    assert "--cuda-graph and --activation-checkpointing full do not go together" in capsys.readouterr().err and not (tmp_path / "o").exists()
+    t = Trainer(cfg(tmp_path, activation_checkpointing="selective"), model_config("tiny"), log=quiet)
+    with pytest.raises(ValueError, match="does not capture"): training.CapturedStep(t, capture=False)   # so --cuda-graph auto takes eager steps
+
+
 def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     t = Trainer(cfg(tmp_path, steps=1), model_config("tiny"), log=quiet); t.run()
     path = tmp_path / "ck.safetensors"
@@ -519,6 +547,7 @@ def test_sigterm_saves_at_the_next_step_boundary(tmp_path, monkeypatch, capsys):
     (["train", "--allow-resume-changes"], "--allow-resume-changes applies to --resume"),
     (["train", "--skip-batches", "2"], "--skip-batches applies to --resume"),
     (["train", "--skip-batches", "-1"], "--skip-batches must be >= 0"),
+    (["train", "--activation-checkpointing", "some"], "--activation-checkpointing must be one of none, selective, full"),
     (["train", "--on-signal", "ignore"], "--on-signal must be one of save, exit"),
     (["train", "--device", "foo"], "--device 'foo' is not a device"),
     (["train", "--device", "cuda:7"], "--device cuda:7"),
