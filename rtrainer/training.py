@@ -14,15 +14,15 @@ __all__ = ['BUNDLED_DATA', 'DEVICE_HELP', 'SWITCH', 'ON_SIGNAL', 'ACTIVATION_CHE
            'seal_metadata', 'save_checkpoint', 'resolve_checkpoint', 'parameter_shapes', 'check_tensors_match_config',
            'check_checksums', 'check_checkpoint_metadata', 'read_checkpoint', 'check_same_shape', 'load_model_weights',
            'prune_checkpoints', 'checkpoint_summary', 'device_peak_tflops', 'mfu', 'retain_freed_memory',
-           'host_memory_free', 'held_out_loss', 'NonFiniteLoss', 'Stopped', 'holds_run', 'resolved', 'Trainer',
-           'load_model', 'side_stream', 'CapturedStep', 'compare_loss_curves', 'add_train_arguments',
+           'host_memory_free', 'held_out_loss', 'NonFiniteLoss', 'Stopped', 'holds_run', 'fit_micro_batch', 'resolved',
+           'Trainer', 'load_model', 'side_stream', 'CapturedStep', 'compare_loss_curves', 'add_train_arguments',
            'checkpoint_folder', 'free_run_folder', 'train_config_from_args', 'model_config_from_args',
            'ensure_bundled_data', 'run_train', 'add_eval_arguments', 'check_counts', 'run_eval',
            'add_generate_arguments', 'run_generate', 'initial_model', 'save_initial_checkpoint', 'add_init_arguments',
            'run_init', 'measure_init_checkpoint']
 
 # %% ../nbs/06_training.ipynb #9db08b8c
-import argparse, ctypes, dataclasses, hashlib, importlib.util, json, math, os, re, shutil, signal, statistics, sys, tempfile, threading, time, uuid, zlib
+import argparse, ctypes, dataclasses, hashlib, importlib.util, itertools, json, math, os, re, shutil, signal, statistics, sys, tempfile, threading, time, uuid, zlib
 from dataclasses import dataclass, asdict, field
 from pathlib import Path
 import numpy as np
@@ -102,6 +102,8 @@ class TrainConfig:
                                 "(rank 0; needs the tensorboard package)")
     on_signal: str = setting("save", "on SIGTERM or SIGINT: save a checkpoint at the next step boundary and stop (save), "
                              "or stop there without one (exit)")
+    memory_budget: float = setting(0.0, "GiB a step may peak at on the GPU: the micro-batch is halved from --batch-size until "
+                                   "a probe step fits, the accumulation raised to keep the global batch; 0 = off")
     activation_checkpointing: str = setting("none", "keep less for the backward and recompute the rest: none, selective (each "
                                             "block's attention and feed-forward rerun) or full (each whole block rerun)")
     cuda_graph: str = setting("auto", "replay the whole step as one CUDA graph; by default wherever it applies (a GPU, the "
@@ -122,7 +124,7 @@ class TrainConfig:
         if number("lr", real=True) < 0: raise ValueError(f"--lr must be positive (or 0 for the model's default), got {self.lr}")
         if self.lr == 0: self.lr = DEFAULT_LR.get(self.model, REFERENCE_LR)
         if not 0 <= number("floor", real=True) <= 1: raise ValueError(f"--floor must be between 0 and 1, got {self.floor}")
-        for name in ["weight_decay", "clip", "load_balance_weight"]:
+        for name in ["weight_decay", "clip", "load_balance_weight", "memory_budget"]:
             if number(name, real=True) < 0: raise ValueError(f"{_flag(name)} must be >= 0, got {getattr(self, name)}")
         if number("eps", real=True) <= 0: raise ValueError(f"--eps must be positive, got {self.eps}")
         betas = tuple(self.betas) if isinstance(self.betas, (tuple, list)) else ()
@@ -142,6 +144,8 @@ class TrainConfig:
             if path and not Path(path).exists(): raise FileNotFoundError(f"{flag} {path}: no such file or folder")   # before any data is prepared
         if isinstance(self.cuda_graph, bool): self.cuda_graph = "on" if self.cuda_graph else "off"   # Python callers' True/False
         if self.cuda_graph not in SWITCH: raise ValueError(f"cuda_graph must be one of {SWITCH}, got {self.cuda_graph!r}")
+        if self.memory_budget and resolve_device(self.device).type != "cuda":
+            raise ValueError(f"--memory-budget measures a GPU's peak memory; this run is on {resolve_device(self.device)}: leave it out")
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise ValueError(f"--activation-checkpointing must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, got {self.activation_checkpointing!r}")
         if self.activation_checkpointing != "none" and self.cuda_graph == "on":
@@ -513,6 +517,19 @@ def holds_run(folder):
     folder = Path(folder)
     return any((folder / n).exists() for n in (RUN_FILE, "metrics.jsonl")) or any(Path(folder, "checkpoints").glob("step-*"))
 
+def fit_micro_batch(batch_size, accumulation, budget_bytes, peak_of):
+    """(micro-batch, accumulation, peak bytes): the largest micro-batch, halving from `batch_size`, that divides the global
+    batch and whose step `peak_of(micro_batch, accumulation)` measures at most `budget_bytes` (None: out of memory)."""
+    total, tried, B = batch_size * accumulation, [], batch_size
+    while B >= 1:
+        if total % B == 0:
+            peak = peak_of(B, total // B)
+            if peak is not None and peak <= budget_bytes: return B, total // B, peak
+            tried.append(f"{B}: {'out of memory' if peak is None else f'{peak / 2**30:.1f} GiB'}")
+        B //= 2
+    raise ValueError(f"--memory-budget {budget_bytes / 2**30:g} GiB: no micro-batch fits (probe peaks of micro-batch {', '.join(tried)}); "
+                     "raise the budget, or shorten --seq-len, or add --activation-checkpointing")
+
 RESUME_MUST_MATCH = ["seq_len", "lr", "warmup", "floor", "decay_steps", "weight_decay", "betas", "eps", "clip", "seed",
                      "load_balance_weight", "load_balance_decay_steps"]
 
@@ -538,6 +555,7 @@ class Trainer:
             raise ValueError(f"--init-from {config.init_from} is inside this run's checkpoint folder; it would be overwritten. Use another --checkpoint-dir")
         if self.distributed and config.activation_checkpointing != "none":
             raise ValueError("--activation-checkpointing runs in one process: leave it out with --nproc, --dp or --ep")
+        if self.distributed and config.memory_budget: raise ValueError("--memory-budget runs in one process: leave it out with --nproc, --dp or --ep")
         torch.manual_seed(config.seed)
         self.model = self.build_model()
         self.model.activation_checkpointing = config.activation_checkpointing
@@ -557,8 +575,34 @@ class Trainer:
         self.captured = self.graph_step()
         if config.resume: self.restore(config.resume, moments=True, resume=True)
         elif config.init_from: self.restore(config.init_from, moments=config.init_moments, resume=False)
+        if config.memory_budget: self.fit_memory_budget()
 
     def build_model(self): return TransformerLm(self.model_config, device=self.device)
+
+    def fit_memory_budget(self):
+        "Under --memory-budget: take the largest micro-batch whose probe step peaks under it, and the accumulation keeping the global batch."
+        c = self.cfg
+        for i in range(len(self.optimizer.params)): self.optimizer.moments(i)   # the moments (zeros until the first step) in place
+        B, n, peak = fit_micro_batch(c.batch_size, c.accumulation, c.memory_budget * 2**30, self.probe_peak)
+        self.log(f"--memory-budget {c.memory_budget:g} GiB: micro-batch {B} x accumulation {n} (global batch {B * n}), "
+                 f"a probe step peaked at {peak / 2**30:.1f} GiB")
+        c.batch_size, c.accumulation = B, n
+
+    def probe_peak(self, batch_size, accumulation):
+        """Peak bytes on the GPU of a step's forward and backward (two micro-batches when accumulating) at this split of
+        step 0's batch, or None if it ran out of memory. Nothing of it stays: no update, the gradients dropped."""
+        c, split = self.cfg, (self.cfg.batch_size, self.cfg.accumulation)
+        c.batch_size, c.accumulation = batch_size, accumulation
+        try:
+            torch.cuda.synchronize(self.device); torch.cuda.reset_peak_memory_stats(self.device)
+            self.accumulate(itertools.islice(self.micro_batches(0), 2), 0.0)
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device)
+        except torch.cuda.OutOfMemoryError: return None
+        finally:
+            c.batch_size, c.accumulation = split
+            self.optimizer.zero_grad(); self.model.moe_stats = []
+            torch.cuda.empty_cache()
 
     def check_host_memory(self):
         "On a CPU, refuse a micro-batch whose fp32 logits and log-softmax alone need more than the host has free."
