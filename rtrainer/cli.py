@@ -15,6 +15,7 @@ import argparse, importlib, os, signal, sys, threading
 SUBCOMMANDS = {
     # name:      (module,                 help)
     "prepare":   ("rtrainer.tokenization", "turn a text corpus into TOK1 token shards"),
+    "init":      ("rtrainer.training",     "a model's step-0 checkpoint: its initial weights, without the zero moments"),
     "train":     ("rtrainer.cli",          "train a model (no arguments: the bundled demo); --nproc N for N GPUs"),
     "eval":      ("rtrainer.export",       "held-out loss and perplexity of a checkpoint"),
     "generate":  ("rtrainer.export",       "sample text from a checkpoint"),

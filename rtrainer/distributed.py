@@ -216,7 +216,8 @@ class DistributedTrainer(Trainer):
         config = dataclasses.replace(config, out_dir=folders[0], checkpoint_dir=folders[1])
         self.votes = {}       # step -> a host copy of the step's stop vote, all-reduced over the ranks (see stop_requested)
         self.agreed_stop = False
-        start = dataclasses.replace(config, device=str(device), resume="", init_from="", init_moments=False, allow_resume_changes=False)
+        start = dataclasses.replace(config, device=str(device), resume="", init_from="", init_moments=False, allow_resume_changes=False,
+                                    skip_batches=0)
         super().__init__(start, model_config, log=log if self.rank == 0 else (lambda *a, **k: None))
         self.cfg = dataclasses.replace(config, device=str(device))
         peak = device_peak_tflops(self.device)
@@ -519,7 +520,7 @@ def checkpoint_metadata(model_config, optimizer, step, train_config=None, extra=
     return dict(format=CHECKPOINT_FORMAT, step=step, model_config=model_config.to_dict(),
                 optimizer=optimizer.hyperparameters(), train=asdict(train_config) if train_config else None,
                 data=dict(seed=train_config.seed, next_step=step) if train_config else None,
-                rtrainer_version=rtrainer.__version__, commit=git_commit(), **(extra or {}))
+                rtrainer_version=rtrainer.__version__, commit=git_commit()) | (extra or {})
 
 def _atomic_write_text(path, text):
     path = Path(path); tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"

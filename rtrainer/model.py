@@ -12,7 +12,7 @@ __all__ = ['PRESETS', 'REFERENCE_BATCH', 'OP_NAMES', 'round_up', 'ModelConfig', 
 import dataclasses, json, math
 from dataclasses import dataclass, asdict
 from pathlib import Path
-import torch
+import torch, torch.utils.checkpoint
 from torch import nn
 from .kernels import get_op, resolve_impl, rope_tables, rms_norm_reference, rope_reference, swiglu_reference
 from .matmul import IGNORE_INDEX, use_measured_gemm_backends
@@ -191,6 +191,8 @@ class Block(nn.Module):
 
 class TransformerLm(nn.Module):
     "A decoder-only transformer language model; `forward` returns the loss."
+    activation_checkpointing = "none"   # or "selective" (each block's attention and feed-forward) or "full" (each block): recomputed in the backward
+    replaying = False                   # True while the backward recomputes a forward: its side effects are not repeated
     def __init__(self, config: ModelConfig, device=None):
         super().__init__()
         self.config = c = config.validate()
@@ -246,7 +248,7 @@ class TransformerLm(nn.Module):
         if blk.moe is not None:
             B, T, D = x.shape
             y = blk.moe(x.reshape(B * T, D)).view(B, T, D)
-            self.moe_stats.append(blk.moe.last_stats)
+            if not self.replaying: self.moe_stats.append(blk.moe.last_stats)   # once per forward, not again when recomputed
             return y
         return self.op["linear"](self.op["swiglu"](self.op["linear"](x, blk.gate_up)), blk.down)
 
@@ -257,11 +259,29 @@ class TransformerLm(nn.Module):
         self.moe_stats = []
         h = self.op["embedding"](ids, self.embedding)
         residual, x = h, self.op["rms_norm"](h, self.blocks[0].attn_norm, c.norm_eps)
-        for i, blk in enumerate(self.blocks):
-            x, residual = self.op["add_rms_norm"](self._attention(blk, x), residual, blk.ffn_norm, c.norm_eps)
-            next_norm = self.blocks[i + 1].attn_norm if i + 1 < len(self.blocks) else self.final_norm
-            x, residual = self.op["add_rms_norm"](self._feed_forward(blk, x), residual, next_norm, c.norm_eps)
+        for i in range(len(self.blocks)):
+            x, residual = (self._recomputed(self._block, i, x, residual) if self.activation_checkpointing == "full"
+                           else self._block(i, x, residual))
         return x
+
+    def _block(self, i, x, residual):
+        "Block i on its normed input `x` and the residual stream: (the next block's normed input, the residual stream)."
+        c, blk = self.config, self.blocks[i]
+        sub = self._recomputed if self.activation_checkpointing == "selective" else (lambda fn, *args: fn(*args))
+        x, residual = self.op["add_rms_norm"](sub(self._attention, blk, x), residual, blk.ffn_norm, c.norm_eps)
+        next_norm = self.blocks[i + 1].attn_norm if i + 1 < len(self.blocks) else self.final_norm
+        return self.op["add_rms_norm"](sub(self._feed_forward, blk, x), residual, next_norm, c.norm_eps)
+
+    def _recomputed(self, fn, *args):
+        """fn(*args), keeping only its inputs for the backward, which runs it again for the rest (torch.utils.checkpoint,
+        non-reentrant). The forward draws no random numbers, so no RNG state is kept; the rerun sets `replaying`."""
+        if not (self.training and torch.is_grad_enabled()): return fn(*args)
+        runs = []
+        def run(*args):
+            runs.append(1); before, self.replaying = self.replaying, len(runs) > 1
+            try: return fn(*args)
+            finally: self.replaying = before
+        return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False)
 
     def forward(self, ids, targets, loss_mask=None, load_balance_weight=0.0):
         """Mean next-token loss over the counted positions (+ the weighted MoE load-balance loss); returns (loss, lm_loss, lb_loss).

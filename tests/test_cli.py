@@ -9,7 +9,7 @@ RTRAINER = [sys.executable, "-m", "rtrainer"]
 
 def test_every_subcommand_is_available():
     names = set(build_parser()._subparsers._group_actions[0].choices)
-    assert {"prepare", "train", "eval", "generate", "doctor", "bench", "sweep", "profile", "ab", "versus", "sweep-arch"} <= names
+    assert {"prepare", "init", "train", "eval", "generate", "doctor", "bench", "sweep", "profile", "ab", "versus", "sweep-arch"} <= names
 
 
 def test_python_dash_m_and_unknown_command():

@@ -56,6 +56,129 @@ def test_resume_is_bit_exact_with_accumulation(tmp_path):
     assert resumed.optimizer.step_count == 6
 
 
+def test_skip_batches_moves_the_data_position_and_keeps_it(tmp_path):
+    "A resume past N steps' batches reads what a run reads N steps later; its checkpoints, and a later resume, keep the offset."
+    def trainer(steps, out, **kw):
+        t = Trainer(cfg(tmp_path, steps=steps, decay_steps=10, accumulation=2, out_dir=str(tmp_path / out), **kw), model_config("tiny"), log=quiet)
+        seen, batch = [], t.data.batch
+        t.data.batch = lambda step, *a, **k: (seen.append((step, batch(step, *a, **k))), seen[-1][1])[1]
+        return t, seen
+    reference, _ = trainer(10, "reference")
+    first, _ = trainer(3, "first"); first.run()
+    skipped, seen = trainer(5, "skipped", resume=str(tmp_path / "first" / "checkpoints"), skip_batches=2); skipped.run()
+    assert [s for s, _ in seen] == [5, 6]                              # steps 3 and 4 read the batches of steps 5 and 6
+    for step, (_, (inputs, targets)) in zip((3, 4), seen):
+        want, want_targets, _ = reference.host_batches(step + 2)
+        assert torch.equal(inputs, want) and torch.equal(targets, want_targets)
+    _, meta = read_checkpoint(tmp_path / "skipped" / "checkpoints")
+    assert meta["step"] == 5 and meta["data"] == dict(seed=0, next_step=7, batch_offset=2)
+    again, seen = trainer(7, "skipped", resume=str(tmp_path / "skipped" / "checkpoints")); again.run()
+    assert [s for s, _ in seen] == [7, 8]                              # the second resume keeps the offset
+    _, meta = read_checkpoint(tmp_path / "skipped" / "checkpoints")
+    assert meta["step"] == 7 and meta["data"] == dict(seed=0, next_step=9, batch_offset=2)
+    more, seen = trainer(8, "skipped", resume=str(tmp_path / "skipped" / "checkpoints"), skip_batches=1); more.run()
+    assert [s for s, _ in seen] == [10] and read_checkpoint(tmp_path / "skipped" / "checkpoints")[1]["data"]["batch_offset"] == 3
+
+
+def test_tensorboard_scalars_are_the_metrics(tmp_path, corpus):
+    "--tensorboard: every number of metrics.jsonl, and nothing else, is a scalar at its step in OUT_DIR/tensorboard/."
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    t = Trainer(cfg(tmp_path, data=corpus, steps=4, log_every=1, eval_every=2, eval_batches=2, tensorboard=True), model_config("tiny"), log=quiet)
+    t.peak_tflops = 1e-6        # a made-up peak, so that the CPU run logs an MFU too
+    t.run()
+    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard")); events.Reload()
+    numbers = {k for r in rows for k, v in r.items() if k != "step" and isinstance(v, (int, float))}
+    assert set(events.Tags()["scalars"]) == numbers >= {"loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mfu"}
+    for tag in numbers:
+        logged = [(r["step"], r[tag]) for r in rows if tag in r]
+        assert [(e.step, e.value) for e in events.Scalars(tag)] == [(s, pytest.approx(v, rel=1e-6)) for s, v in logged], tag
+
+
+def test_tensorboard_without_the_package_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)           # as if it were not installed
+    assert cli("train", "--tensorboard", "--data", "synthetic", "--steps", "1", "--out-dir", tmp_path / "o", "--no-progress") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--tensorboard needs the tensorboard package" in err and not (tmp_path / "o").exists()
+
+
+def test_init_checkpoints_are_the_same_bytes_and_train_as_the_seed(tmp_path, capsys):
+    "`rtrainer init`: two calls (two processes) write the same bytes, no moments; --resume and --init-from train as the seed does."
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    assert cli("init", "tiny", "--out", a, "--seed", "3", "--device", "cpu") == 0
+    assert f"rtrainer train tiny --resume {a} --seed 3" in capsys.readouterr().out
+    r = subprocess.run([sys.executable, "-m", "rtrainer", "init", "tiny", "--out", str(b), "--seed", "3", "--device", "cpu"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert a.read_bytes() == b.read_bytes()
+    tensors, meta = read_checkpoint(a)
+    assert meta["step"] == 0 and meta["optimizer"]["step_count"] == 0 and not any(k.startswith("optim.") for k in tensors)
+    assert meta["train"] == {"seed": 3} and meta["data"] == dict(seed=3, next_step=0, batch_offset=0) and "run_id" not in meta
+    def run(out, **kw):
+        t = Trainer(cfg(tmp_path, steps=3, out_dir=str(tmp_path / out), **{"seed": 3, **kw}), model_config("tiny"), log=quiet); t.run(); return t
+    fresh, resumed, initialized = run("fresh"), run("resumed", resume=str(a)), run("initialized", init_from=str(a))
+    for other in (resumed, initialized):
+        for (n, p), q in zip(fresh.model.named_parameters(), other.model.parameters()): assert torch.equal(p, q), n
+        for k, v in fresh.optimizer.state_tensors().items(): assert torch.equal(v, other.optimizer.state_tensors()[k]), k
+    with pytest.raises(ValueError, match="--seed 4 .checkpoint 3."): run("other-seed", resume=str(a), seed=4)
+    assert cli("init", "tiny", "--out", a, "--device", "cpu") == 2 and "exists already" in capsys.readouterr().err
+    assert cli("init", "tiny", "--out", tmp_path / "c.safetensors", "--seed", "-1") == 2
+    assert "--seed must be an integer >= 0" in capsys.readouterr().err and not (tmp_path / "c.safetensors").exists()
+
+
+@pytest.mark.parametrize("impl, preset", [("torch", "tiny"), ("torch", "tiny_moe"), ("triton", "tiny"), ("triton", "tiny_moe")])
+def test_activation_checkpointing_gives_the_plain_gradients(tmp_path, impl, preset):
+    "selective and full rerun the forward in the backward; a step of two micro-batches writes each fp32 gradient as without."
+    from rtrainer.kernels import gradient_fp32
+    grads, runs = {}, {}
+    for mode in ("none", "selective", "full"):
+        t = Trainer(cfg(tmp_path / mode, accumulation=2, activation_checkpointing=mode), model_config(preset, impl=impl, vocab_size=512), log=quiet)
+        assert t.model.impl == impl
+        forward, runs[mode] = t.model._attention, []
+        t.model._attention = lambda blk, x: (runs[mode].append(t.model.replaying), forward(blk, x))[1]
+        stats, norm, _ = t.accumulate(t.micro_batches(0), 0.01)
+        grads[mode] = {n: gradient_fp32(p).clone() for n, p in t.model.named_parameters()}
+        assert len(t.model.moe_stats) == sum(blk.moe is not None for blk in t.model.blocks)   # once, not again by the rerun
+    layers = model_config(preset).n_layers
+    assert runs["none"] == [False] * 2 * layers                    # two micro-batches, each attention run once
+    assert runs["selective"] == runs["full"] == ([False] * layers + [True] * layers) * 2   # then again in each backward
+    for mode in ("selective", "full"):
+        for name, g in grads["none"].items():
+            assert ((grads[mode][name] - g).norm() / g.norm()).item() < 1e-6, (mode, name)
+
+
+def test_activation_checkpointing_and_the_cuda_graph(tmp_path, capsys):
+    assert cli("train", "--activation-checkpointing", "full", "--cuda-graph", "--data", "synthetic", "--out-dir", tmp_path / "o", "--no-progress") == 2
+    assert "--cuda-graph and --activation-checkpointing full do not go together" in capsys.readouterr().err and not (tmp_path / "o").exists()
+    t = Trainer(cfg(tmp_path, activation_checkpointing="selective"), model_config("tiny"), log=quiet)
+    with pytest.raises(ValueError, match="does not capture"): training.CapturedStep(t, capture=False)   # so --cuda-graph auto takes eager steps
+
+
+def test_memory_budget_halves_the_micro_batch_and_keeps_the_global_batch():
+    from rtrainer.training import fit_micro_batch
+    GiB, probes = 2**30, []
+    def peak(B, accumulation): probes.append((B, accumulation)); return None if B > 8 else 4 * GiB + B * GiB   # None: out of memory
+    assert fit_micro_batch(32, 2, 10 * GiB, peak) == (4, 16, 8 * GiB) and probes == [(32, 2), (16, 4), (8, 8), (4, 16)]
+    probes.clear(); assert fit_micro_batch(12, 1, 6 * GiB, peak) == (1, 12, 5 * GiB) and probes == [(12, 1), (6, 2), (3, 4), (1, 12)]
+    probes.clear(); assert fit_micro_batch(7, 1, 5 * GiB, peak) == (1, 7, 5 * GiB) and probes == [(7, 1), (1, 7)]   # 3 does not divide 7
+    probes.clear(); assert fit_micro_batch(8, 3, 12 * GiB, peak) == (8, 3, 12 * GiB) and probes == [(8, 3)]       # as asked if it fits
+    with pytest.raises(ValueError, match=r"--memory-budget 2 GiB: no micro-batch fits .*8: 12.0 GiB, 4: 8.0 GiB, 2: 6.0 GiB, 1: 5.0 GiB"):
+        fit_micro_batch(8, 1, 2 * GiB, peak)
+
+
+def test_a_fitted_split_trains_as_the_asked_one(tmp_path):
+    "The split the budget picks (moments made before the first step) trains on the same sequences as the split asked for."
+    def trainer(out, **kw):
+        return Trainer(cfg(tmp_path, steps=3, out_dir=str(tmp_path / out), **{"batch_size": 4, "accumulation": 1, **kw}), model_config("tiny"), log=quiet)
+    fitted, asked = trainer("fitted"), trainer("asked", batch_size=2, accumulation=2)
+    fitted.cfg.memory_budget = 1.0       # the probe is a GPU's; here a stand-in says only micro-batches of 2 fit
+    fitted.probe_peak = lambda B, accumulation: 2**29 if B <= 2 else None
+    fitted.fit_memory_budget()
+    assert (fitted.cfg.batch_size, fitted.cfg.accumulation) == (2, 2) and len(fitted.optimizer.state_tensors()) == 2 * len(fitted.optimizer.params)
+    fitted.run(); asked.run()
+    for a, b in zip(fitted.model.parameters(), asked.model.parameters()): assert torch.equal(a, b)
+
+
 def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     t = Trainer(cfg(tmp_path, steps=1), model_config("tiny"), log=quiet); t.run()
     path = tmp_path / "ck.safetensors"
@@ -447,6 +570,11 @@ def test_sigterm_saves_at_the_next_step_boundary(tmp_path, monkeypatch, capsys):
     (["train", "--no-checkpoints", "--checkpoint-every", "1"], "--no-checkpoints and --checkpoint-every 1 contradict"),
     (["train", "--init-moments"], "--init-moments takes the moments of --init-from's checkpoint"),
     (["train", "--allow-resume-changes"], "--allow-resume-changes applies to --resume"),
+    (["train", "--skip-batches", "2"], "--skip-batches applies to --resume"),
+    (["train", "--skip-batches", "-1"], "--skip-batches must be >= 0"),
+    (["train", "--memory-budget", "8", "--device", "cpu"], "--memory-budget measures a GPU's peak memory; this run is on cpu"),
+    (["train", "--memory-budget", "-1"], "--memory-budget must be >= 0"),
+    (["train", "--activation-checkpointing", "some"], "--activation-checkpointing must be one of none, selective, full"),
     (["train", "--on-signal", "ignore"], "--on-signal must be one of save, exit"),
     (["train", "--device", "foo"], "--device 'foo' is not a device"),
     (["train", "--device", "cuda:7"], "--device cuda:7"),
