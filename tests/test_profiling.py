@@ -189,7 +189,7 @@ def test_ab_passes_train_flags_to_both_arms(monkeypatch):
     seen = {}
     monkeypatch.setattr(profiling, "ab", lambda *args, **kw: seen.update(kw))
     from rtrainer.cli import add_ab_arguments; p = argparse.ArgumentParser(); add_ab_arguments(p)
-    assert profiling.run_ab(p.parse_args(["--train-flags", "--no-cuda-graph --lr '3e-4'"])) == 0
+    assert profiling.run_ab(p.parse_args(["--config", "tiny", "--train-flags", "--no-cuda-graph --lr '3e-4'"])) == 0
     assert seen["extra"] == ["--no-cuda-graph", "--lr", "3e-4"]
 
 
