@@ -8,8 +8,7 @@ Docs: https://example.invalid/rtrainer/rtrainer/expert_parallel.html.md"""
 __all__ = ['PARITY_TOKENS', 'PARITY_TIMEOUT_S', 'PARITY_CASES', 'exchange_rows', 'AllToAll', 'gather_counts', 'kept_counts',
            'ExchangePlan', 'exchange_plan', 'local_experts_forward', 'expert_parallel_statistics', 'ExpertParallelMoe',
            'layer_parity_errors', 'parity_worker', 'spawn_ranks', 'check_layer_parity', 'check_expert_parallel',
-           'ExpertParallelTrainer', 'add_expert_parallel_arguments', 'run_expert_parallel_train', 'exchange_volume',
-           'crossover_tokens', 'main']
+           'ExpertParallelTrainer', 'run_expert_parallel_train', 'exchange_volume', 'crossover_tokens', 'main']
 
 # %% ../nbs/08b_expert_parallel.ipynb #d4cf70dd
 import argparse, copy, datetime, functools, json, os, subprocess, sys, tempfile, time
@@ -289,6 +288,7 @@ def check_expert_parallel(model_cfg, world_size):
 class ExpertParallelTrainer(DistributedTrainer):
     """The distributed trainer with expert parallelism: the dense parameters (attention, norms, routers, shared experts,
     embedding, classifier) replicated under DDP, each MoE layer's experts split over the ranks as DTensors."""
+    expert_parallel = True           # its run file says --ep
     def __init__(self, config, model_cfg, dp="ddp", log=print):
         if dp not in (None, "ddp"): raise ValueError(f"--ep runs the dense parameters under DDP; --dp {dp} is not supported with it")
         check_expert_parallel(model_cfg, distributed_environment()[1])
@@ -326,12 +326,6 @@ class ExpertParallelTrainer(DistributedTrainer):
         return lm, lb
 
 # %% ../nbs/08b_expert_parallel.ipynb #d1038a6e
-def add_expert_parallel_arguments(p):
-    "The flag expert parallelism adds to `rtrainer train`."
-    if "--ep" in p._option_string_actions: return
-    p.add_argument("--ep", "--expert-parallel", dest="ep", action="store_true", default=None,
-                   help="expert parallelism (with --nproc N): each rank holds n_experts / N experts, dense parts under DDP")
-
 def run_expert_parallel_train(args):
     "`rtrainer train ... --ep`: refuse what it cannot run (one line), then start torchrun (--nproc N) or run as its worker."
     if getattr(args, "dp", None) not in (None, "ddp"): raise ValueError(f"--ep runs the dense parameters under DDP; --dp {args.dp} is not supported with it")

@@ -11,9 +11,8 @@ __all__ = ['HF_CONFIG', 'HF_WEIGHTS', 'HF_INDEX', 'INT8_SCHEME', 'EXPORT_DTYPES'
            'rotate_half_order', 'to_rotate_half', 'from_rotate_half', 'hf_architecture', 'capacity_note',
            'to_hf_tensors', 'hf_config', 'byte_to_unicode', 'bpe_pair', 'bpe_merges', 'hf_tokenizer_files', 'export_hf',
            'check_output', 'rtrainer_logits', 'model_config_from_hf', 'read_hf_tensors', 'from_hf_tensors',
-           'read_hf_metadata', 'read_hf_folder', 'add_export_arguments', 'run_export', 'size_of',
-           'read_any_checkpoint_metadata', 'add_eval_arguments', 'run_eval', 'add_generate_arguments', 'run_generate',
-           'init_from_checkpoint_file']
+           'read_hf_metadata', 'read_hf_folder', 'run_export', 'size_of', 'read_any_checkpoint_metadata', 'run_eval',
+           'run_generate', 'init_from_checkpoint_file']
 
 # %% ../nbs/08a_export.ipynb #d54413ab
 import dataclasses, functools, json, os, shutil, tempfile
@@ -366,21 +365,9 @@ def read_hf_folder(folder):
     return from_hf_tensors(read_hf_tensors(folder), ModelConfig.from_dict(meta["model_config"]), folder), meta
 
 # %% ../nbs/08a_export.ipynb #51592d93
-def add_export_arguments(p):
-    "Flags of `rtrainer export`."
-    p.add_argument("checkpoint", help="a checkpoint file, a run's checkpoint folder (its newest), a distributed checkpoint "
-                   "(step JSON, its folder, or the run folder), an export, or a transformers folder")
-    p.add_argument("out", help="the file (or, with --format hf, the folder) to write")
-    p.add_argument("--format", choices=("rtrainer", "hf"), default="rtrainer",
-                   help="rtrainer: one safetensors file for rtrainer eval/generate; hf: a transformers folder (default: rtrainer)")
-    p.add_argument("--dtype", choices=EXPORT_DTYPES, default="keep",
-                   help="keep: as saved; bf16: matrices bf16, norms and routers fp32; fp32: all fp32 (default: keep)")
-    p.add_argument("--quantize", choices=("int8",), default=None, help="int8: matrices as int8 with one fp32 scale per output channel")
-    p.add_argument("--with-optimizer", action="store_true", help="keep the AdamW moments and RNG state too (a file --resume takes)")
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
-
 def run_export(args):
     "`rtrainer export`: write the checkpoint as one file or a transformers folder; prints what it wrote."
+    if args.dtype not in EXPORT_DTYPES: raise ValueError(f"--dtype must be one of {', '.join(EXPORT_DTYPES)}, got {args.dtype!r}")
     if Path(args.out).resolve() == Path(args.checkpoint).resolve(): raise ValueError(f"{args.out}: the export would overwrite its own source")
     if args.format == "hf":
         if args.quantize or args.with_optimizer:
@@ -410,17 +397,7 @@ def read_any_checkpoint_metadata(path):
     return checkpoint_metadata_only(path)
 
 # %% ../nbs/08a_export.ipynb #0c7e20a3
-def add_eval_arguments(p):
-    "`rtrainer eval`'s flags (the training chapter's), for any checkpoint `read_any_checkpoint` reads."
-    training.add_eval_arguments(p)
-    p._option_string_actions["--checkpoint"].help = "checkpoint file or run folder, distributed checkpoint, export, or transformers folder"
-
 def run_eval(args): return training.run_eval(args, read=read_any_checkpoint)
-
-def add_generate_arguments(p):
-    "`rtrainer generate`'s flags (the training chapter's), for any checkpoint `read_any_checkpoint` reads."
-    training.add_generate_arguments(p)
-    p._option_string_actions["--checkpoint"].help = "checkpoint file or run folder, distributed checkpoint, export, or transformers folder"
 
 def run_generate(args): return training.run_generate(args, read=read_any_checkpoint)
 

@@ -10,7 +10,7 @@ __all__ = ['OPS', 'PROJECT_ROOT', 'RESULTS_DIR', 'T_QUANTILE_975', 'INTERPRETING
            'RMS_NORM_BACKWARD_PROGRAMS_PER_SM', 'RMS_NORM_BACKWARD_BLOCK_ROWS', 'RMS_NORM_BACKWARD_NUM_WARPS',
            'RMS_NORM_BACKWARD_PREFETCH', 'RMS_NORM_MAX_COLS', 'OP_EXAMPLES', 'SCALES', 'ROPE_BLOCK_ROWS',
            'ROPE_NUM_WARPS', 'SWIGLU_BLOCK', 'SWIGLU_NUM_WARPS', 'EMBEDDING_BLOCK', 'EMBEDDING_NUM_WARPS',
-           'EMBEDDING_BACKWARD', 'EMBEDDING_BACKWARDS', 'BENCHMARKS', 'BENCHMARK_COLUMNS', 'register_op',
+           'EMBEDDING_BACKWARD', 'EMBEDDING_BACKWARDS', 'BENCHMARKS', 'BENCHMARK_COLUMNS', 'NO_KERNELS', 'register_op',
            'resolve_impl', 'get_op', 'at_least_fp32', 'rms_norm_reference', 'add_rms_norm_reference', 'rope_tables',
            'rope_reference', 'swiglu_reference', 'embedding_reference', 'start_gradient_step', 'main_grad_for_write',
            'mark_main_grad_written', 'weight_grad_buffer', 'finish_weight_grad', 'accumulate_main_grad',
@@ -26,9 +26,8 @@ __all__ = ['OPS', 'PROJECT_ROOT', 'RESULTS_DIR', 'T_QUANTILE_975', 'INTERPRETING
            'embedding_backward_atomic_kernel', 'embedding_forward', 'embedding_backward_deterministic',
            'embedding_backward_atomic', 'EmbeddingFunction', 'embedding_triton', 'embedding_run_to_run_differences',
            'bench_rms_norm', 'bench_add_rms_norm', 'bench_rope', 'bench_swiglu', 'bench_embedding',
-           'register_benchmark', 'benchmark_suite', 'print_table', 'add_doctor_arguments', 'run_doctor', 'parse_size',
-           'add_bench_arguments', 'run_ops_check', 'run_bench', 'kernel_knobs', 'parse_variants', 'add_sweep_arguments',
-           'knob_values', 'run_sweep']
+           'register_benchmark', 'benchmark_suite', 'print_table', 'run_doctor', 'parse_size', 'run_ops_check',
+           'run_bench', 'kernel_knobs', 'parse_variants', 'knob_values', 'run_sweep']
 
 # %% ../nbs/01_kernels.ipynb #127953a0
 import datetime, json, math, os, platform, statistics, subprocess, sys, time, warnings
@@ -1096,9 +1095,6 @@ def print_table(rows, columns=None):
     for r in rows: print("  ".join(_fmt(r.get(c)).rjust(w) for c, w in zip(columns, widths)))
 
 # %% ../nbs/01_kernels.ipynb #cc10d55c
-def add_doctor_arguments(p):
-    p.add_argument("--size", type=int, default=None, help="vecadd length (default 100,000,003 on a GPU, 100,003 interpreted)")
-
 def run_doctor(args):
     "Print versions and the device, run a self-checking vecadd; 1 if it is wrong."
     print(f"python  {platform.python_version()}\ntorch   {torch.__version__}\ntriton  {triton.__version__}\ncuda    {torch.version.cuda or 'none (CPU build)'}")
@@ -1133,12 +1129,7 @@ def _bench_device():
     if torch.cuda.is_available(): return "cuda", torch.bfloat16
     return "cpu", torch.float32
 
-def add_bench_arguments(p):
-    p.add_argument("kernel", help=f"a kernel ({', '.join(BENCHMARKS)}), 'all', or 'ops'")
-    p.add_argument("--sizes", nargs="+", help="sizes like 32768x3072 (dimensions in the kernel's order)")
-    p.add_argument("--quick", action="store_true", help="one size per kernel")
-    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile comparison")
-    p.add_argument("--save", action="store_true", help="record the rows in data/results/kernels.json")
+NO_KERNELS = "the Triton kernels need a CUDA GPU, and this machine has none (TRITON_INTERPRET=1 runs them, slowly, on a CPU)"
 
 def run_ops_check():
     "check_op for every op with a Triton path; returns the rows."
@@ -1148,8 +1139,7 @@ def run_ops_check():
 
 def run_bench(args):
     "`rtrainer bench`: one kernel's rows, every kernel's, or every op against its reference."
-    if not KERNELS_CAN_RUN:
-        print("rtrainer bench: kernels need a CUDA GPU (or TRITON_INTERPRET=1 for a slow CPU run)"); return 1
+    if not KERNELS_CAN_RUN: raise ValueError(NO_KERNELS)
     if args.kernel == "ops":
         rows = run_ops_check()
         missing = sorted(n for n in OPS if "triton" in OPS[n] and n not in OP_EXAMPLES)
@@ -1203,11 +1193,6 @@ def parse_variants(kernel, specs):
     if not variants: raise ValueError("no variants given")
     return variants
 
-def add_sweep_arguments(p):
-    p.add_argument("kernel", help="the kernel to sweep")
-    p.add_argument("variants", nargs="+", help='variants, e.g. "BLOCK=1024,BLOCK=4096" or "BLOCK_ROWS=1 NUM_WARPS=4"')
-    p.add_argument("--sizes", nargs="+", help="sizes like 32768x3072 (default: the kernel's quick size)")
-
 @contextmanager
 def knob_values(module, values):
     "Set a module's tuning constants ({NAME: value}) for the duration of a block, and restore them after."
@@ -1221,8 +1206,7 @@ def knob_values(module, values):
 def run_sweep(args):
     "`rtrainer sweep`: every variant of the knobs in one process, one table."
     variants = parse_variants(args.kernel, args.variants)
-    if not KERNELS_CAN_RUN:
-        print("rtrainer sweep: kernels need a CUDA GPU (or TRITON_INTERPRET=1 for a slow CPU run)"); return 1
+    if not KERNELS_CAN_RUN: raise ValueError(NO_KERNELS)
     module, entry = sys.modules[__name__], BENCHMARKS[args.kernel]
     device, dtype = _bench_device()
     sizes = [parse_size(s) for s in args.sizes] if args.sizes else entry["tiny_sizes" if device == "cpu" else "quick_sizes"]

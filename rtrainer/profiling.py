@@ -6,17 +6,15 @@ Docs: https://example.invalid/rtrainer/rtrainer/profiling.html.md"""
 
 # %% auto #0
 __all__ = ['PHASES', 'PROFILE_WARMUP_STEPS', 'CHART_ROWS', 'UNUSED_OUT_DIR', 'ARM_GUARD', 'AUTOCAST_TIERS', 'TIERS',
-           'ARM_RESULT_PREFIX', 'CHANGED_FRACTION', 'CHANGED_MIN_MS', 'IMPL_HELP', 'GEMM_CEILING_TFLOPS',
-           'ROOFLINE_FAMILIES', 'FAMILY_PATTERNS', 'ROOFLINE_METHOD', 'resolve_peak_tflops', 'days_for_tokens',
-           'ProfilingTrainer', 'attribute_device_events', 'device_gaps', 'profile_step', 'profile_trainer',
-           'profile_table', 'profile_chart', 'Worktree', 'run_in_worktree', 'tokens_per_s_from_metrics', 'ab_arm',
-           'summarize_pairs', 'print_summary', 'ab', 'PlainMoe', 'PlainBlock', 'PlainTransformer',
-           'plain_parameter_counts', 'check_parameter_counts', 'gradient_dtypes', 'dtype_census', 'PlainAdamW',
-           'cuda_graphs_recorded', 'run_arm', 'arm_main', 'run_arm_process', 'versus', 'sweep_arch', 'changed_rows',
-           'add_batch_arguments', 'add_rounds_arguments', 'add_profile_arguments', 'run_profile', 'add_ab_arguments',
-           'run_ab', 'add_versus_arguments', 'parse_batches', 'run_versus', 'add_sweep_arch_arguments',
-           'run_sweep_arch', 'kernel_floor_ms', 'step_kernels', 'step_floor', 'kernel_family', 'measured_families',
-           'roofline_report', 'roofline_table', 'roofline_suite']
+           'ARM_RESULT_PREFIX', 'CHANGED_FRACTION', 'CHANGED_MIN_MS', 'GEMM_CEILING_TFLOPS', 'ROOFLINE_FAMILIES',
+           'FAMILY_PATTERNS', 'ROOFLINE_METHOD', 'resolve_peak_tflops', 'days_for_tokens', 'ProfilingTrainer',
+           'attribute_device_events', 'device_gaps', 'profile_step', 'profile_trainer', 'profile_table',
+           'profile_chart', 'Worktree', 'run_in_worktree', 'tokens_per_s_from_metrics', 'ab_arm', 'summarize_pairs',
+           'print_summary', 'ab', 'PlainMoe', 'PlainBlock', 'PlainTransformer', 'plain_parameter_counts',
+           'check_parameter_counts', 'gradient_dtypes', 'dtype_census', 'PlainAdamW', 'cuda_graphs_recorded', 'run_arm',
+           'arm_main', 'run_arm_process', 'versus', 'sweep_arch', 'changed_rows', 'refuse_on_cpu', 'run_profile',
+           'run_ab', 'parse_batches', 'run_versus', 'run_sweep_arch', 'kernel_floor_ms', 'step_kernels', 'step_floor',
+           'kernel_family', 'measured_families', 'roofline_report', 'roofline_table', 'roofline_suite']
 
 # %% ../nbs/07_profiling.ipynb #973d0d1b
 import json, math, os, shlex, shutil, subprocess, sys, tempfile, time
@@ -32,7 +30,7 @@ from .kernels import (machine_metadata, save_results, PROJECT_ROOT,
 from .optimizer import policy_dtype, parameter_kind, TABLE_BUILDS
 from .model import ModelConfig, model_config, REFERENCE_BATCH, parameter_counts
 from .training import (Trainer, TrainConfig, DATASHEET_PEAK_TFLOPS, device_peak_tflops, mfu, NonFiniteLoss, resolved,
-                               GRAPH_WARMUP_STEPS)
+                               GRAPH_WARMUP_STEPS, refuse_large_model_on_cpu)
 
 # %% ../nbs/07_profiling.ipynb #c00cc2d0
 def resolve_peak_tflops(peak_tflops=None, device=None, warn=print):
@@ -768,28 +766,10 @@ def changed_rows(base, new):
         if abs(y - x) > CHANGED_MIN_MS and abs(y - x) > CHANGED_FRACTION * max(x, y): out.append((name, x, y))
     return sorted(out, key=lambda t: -abs(t[2] - t[1]))
 
-IMPL_HELP = "the ops: auto (the Triton kernels on a GPU, PyTorch on a CPU), torch or triton"
-
-def add_batch_arguments(p):
-    "--batch-size and --seq-len, whose defaults are the configuration's reference batch."
-    p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: the configuration's reference batch, else 8)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 1024 for a reference configuration, else 64)")
-
-def add_rounds_arguments(p):
-    "--rounds, --steps and --warmup of an alternated comparison."
-    p.add_argument("--rounds", type=int, default=3, help="rounds; every arm runs once per round, in alternating order (default: 3)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per arm and round (default: 10)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps before them (default: 3)")
-
-def add_profile_arguments(p):
-    p.add_argument("--config", default="prof183m", help="preset name (default prof183m)")
-    add_batch_arguments(p)
-    p.add_argument("--impl", default="auto", choices=["auto", "torch", "triton"], help=IMPL_HELP)
-    p.add_argument("--vocab-size", type=int, default=None, help="model override (small vocabularies for quick checks)")
-    p.add_argument("--baseline-ref", default=None, help="also profile this git ref in a worktree and compare")
-    p.add_argument("--out", default=None, help="JSON report (default runs/profile-CONFIG.json)")
-    p.add_argument("--top", type=int, default=40, help="rows in the table")
-    p.add_argument("--json-only", action="store_true", help="print only the JSON report (for --baseline-ref)")
+def refuse_on_cpu(config, command, **overrides):
+    "The training chapter's refusal of a GPU-sized model (prof183m's profile on a CPU grew past 10 GB), for a command on a machine without a GPU."
+    if not torch.cuda.is_available():
+        refuse_large_model_on_cpu(config, model_config(config, **{k: v for k, v in overrides.items() if v is not None}), command)
 
 def _profile_report(args):
     overrides = {"vocab_size": args.vocab_size} if getattr(args, "vocab_size", None) else {}
@@ -802,6 +782,7 @@ def _profile_report(args):
 
 def run_profile(args):
     "`rtrainer profile`"
+    refuse_on_cpu(args.config, "profile", vocab_size=args.vocab_size)
     if args.json_only:
         print(json.dumps(_profile_report(args))); return 0
     base = None
@@ -832,28 +813,12 @@ def run_profile(args):
         for name, x, y in changed_rows(base, report): print(f"  {name[:70]:<70} {x:>9.3f} -> {y:>9.3f} ms")
     return 0
 
-def add_ab_arguments(p):
-    p.add_argument("--ref", default="HEAD", help="arm A (default HEAD)"); p.add_argument("--baseline-ref", default="main", help="arm B")
-    p.add_argument("--config", default="rb100m", help="preset name (default: rb100m)")
-    p.add_argument("--train-flags", default="", help='more `rtrainer train` flags for both arms, e.g. "--no-cuda-graph"')
-    add_rounds_arguments(p); add_batch_arguments(p)
-
 def run_ab(args):
     "`rtrainer ab`"
+    refuse_on_cpu(args.config, "ab")
     ab(args.ref, args.baseline_ref, args.config, args.rounds, args.steps, args.warmup, args.batch_size, args.seq_len,
        extra=shlex.split(args.train_flags))
     return 0
-
-def add_versus_arguments(p):
-    p.add_argument("--config", default="rb100m", help="preset name (default: rb100m)")
-    p.add_argument("--tiers", default="eager,default,reduce-overhead,max-autotune-no-cudagraphs", help="comma-separated torch.compile tiers (default: %(default)s)")
-    add_rounds_arguments(p); add_batch_arguments(p)
-    p.add_argument("--peak-tflops", type=float, default=None, help="MFU denominator (default: the datasheet entry)")
-    p.add_argument("--timeout", type=int, default=None, help="seconds per arm")
-    p.add_argument("--no-save", action="store_true", help="do not write data/results/versus_CONFIG.json")
-    p.add_argument("--save-as", default=None, help="results name instead of versus_CONFIG (a run of other tiers keeps the record)")
-    p.add_argument("--batches", default=None, help="several batch sizes in one call, e.g. 16,32: one alternated comparison each, saved together")
-    p.add_argument("--cuda-graph", action="store_true", help="also run the trainer with its step as one CUDA graph (`rtrainer train`'s default on a GPU), as the arm the others are compared to; the `rtrainer` arm takes eager steps")
 
 def parse_batches(text):
     "'16,32' -> [16, 32]; ValueError naming --batches otherwise."
@@ -864,6 +829,7 @@ def parse_batches(text):
 
 def run_versus(args):
     "`rtrainer versus`"
+    refuse_on_cpu(args.config, "versus")
     if args.batches and args.batch_size: raise ValueError("--batches and --batch-size are exclusive: give the sizes in --batches")
     batch = parse_batches(args.batches) if args.batches else args.batch_size
     versus(args.config, tuple(t.strip() for t in args.tiers.split(",") if t.strip()), args.rounds, args.steps, args.warmup,
@@ -871,18 +837,10 @@ def run_versus(args):
            save_as=args.save_as)
     return 0
 
-def add_sweep_arch_arguments(p):
-    p.add_argument("config", help="preset name or model-config JSON")
-    add_batch_arguments(p)
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps before the timed one (default: 2)")
-    p.add_argument("--peak-tflops", type=float, default=None, help="MFU denominator (default: the datasheet entry)")
-    for name in ["d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "n_experts", "top_k", "expert_d_ff", "vocab_size"]:
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=None, help="model override")
-    p.add_argument("--impl", default=None, choices=["auto", "torch", "triton"], help=IMPL_HELP)
-
 def run_sweep_arch(args):
     "`rtrainer sweep-arch`"
     keys = ["d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "n_experts", "top_k", "expert_d_ff", "vocab_size", "impl"]
+    refuse_on_cpu(args.config, "sweep-arch", **{k: getattr(args, k) for k in keys if k != "impl"})
     res = sweep_arch(args.config, args.batch_size, args.seq_len, args.warmup, peak_tflops=args.peak_tflops, **{k: getattr(args, k) for k in keys})
     return 0 if res.get("tokens_per_s") else 1
 

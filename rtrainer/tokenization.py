@@ -14,8 +14,7 @@ __all__ = ['EOT_ID', 'VOCAB_SIZE', 'VOCAB_FILE_NAME', 'VOCAB_SHA256', 'PYTHON_DO
            'parquet_documents', 'wiki_parquet_files', 'open_source', 'default_workers', 'encode_documents',
            'pack_header', 'read_header', 'scan_payload', 'payload_crc32', 'ShardWriter', 'shard_name',
            'write_token_shards', 'FolderLock', 'prepare_output_folder', 'prepare_corpus', 'format_summary', 'TokenFile',
-           'read_dataset', 'supervised_batch', 'load_sft_jsonl', 'add_prepare_arguments', 'run_prepare',
-           'benchmark_prepare_speed']
+           'read_dataset', 'supervised_batch', 'load_sft_jsonl', 'run_prepare', 'benchmark_prepare_speed']
 
 # %% ../nbs/00_tokenization.ipynb #0b6e04df
 import argparse, array, datetime, fnmatch, functools, hashlib, importlib, importlib.resources, inspect, itertools
@@ -772,28 +771,11 @@ def load_sft_jsonl(path: str | Path, seq_len: int | None = None) -> list[tuple[l
     return pairs
 
 # %% ../nbs/00_tokenization.ipynb #ec47a803
-def add_prepare_arguments(parser: argparse.ArgumentParser):
-    "Declare the flags of `rtrainer prepare`."
-    parser.add_argument("--source", choices=SOURCES, default="python-docs",
-                        help="where the text comes from (default: python-docs, the text that ships with Python)")
-    parser.add_argument("--input", dest="inputs", nargs="+", action="extend", default=[], metavar="PATH",
-                        help="input files or folders (parquet, jsonl, text; optional for wiki)")
-    parser.add_argument("--out", required=True, metavar="DIR", help="output folder for the shards and manifest.json")
-    parser.add_argument("--name", help="shard name prefix (default: the source name)")
-    parser.add_argument("--val-tokens", type=int, default=DEFAULT_VAL_TOKENS, metavar="N",
-                        help=f"tokens held out for validation (default {DEFAULT_VAL_TOKENS:,})")
-    parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, metavar="N",
-                        help=f"tokens per training shard (default {DEFAULT_SHARD_TOKENS:,})")
-    parser.add_argument("--limit-files", type=int, metavar="N", help="read only the first N input files")
-    parser.add_argument("--limit-articles", type=int, metavar="N", help="stop after N documents")
-    parser.add_argument("--workers", type=int, metavar="N", help="encoding threads (default: all cores)")
-    parser.add_argument("--text-field", default="text", metavar="FIELD", help="JSONL field or parquet column holding the text")
-
 def run_prepare(args: argparse.Namespace) -> int:
     "Run `rtrainer prepare`: shards, manifest and a summary; returns the exit status."
-    prepare_corpus(args.source, args.inputs, args.out, name=args.name, val_tokens=args.val_tokens,
-                   shard_tokens=args.shard_tokens, limit_files=args.limit_files, limit_articles=args.limit_articles,
-                   workers=args.workers, text_field=args.text_field, progress=True)
+    given = {k: getattr(args, k) for k in ("val_tokens", "shard_tokens") if getattr(args, k, None) is not None}   # else the defaults above
+    prepare_corpus(args.source, args.inputs, args.out, name=args.name, limit_files=args.limit_files, limit_articles=args.limit_articles,
+                   workers=args.workers, text_field=args.text_field, progress=True, **given)
     return 0
 
 # %% ../nbs/00_tokenization.ipynb #fbddf218

@@ -52,7 +52,11 @@ passed=$((passed+count-nb_failed)); failed=$((failed+nb_failed))
 echo "== pytest"
 start=$SECONDS
 "$BIN/python" -m pytest -q -rfE -m "not cuda" -p no:cacheprovider --junitxml="$LOGS/pytest.xml" tests > "$LOGS/pytest.log" 2>&1
-# the short summary (one FAILED/ERROR line per test) survives a long traceback above it
+# the short summary (one FAILED/ERROR line per test) survives a long traceback above it; each failure's last
+# traceback lines come first, so that a failed run's log says why (the scratch folder is removed at exit)
+if grep -q '^=* FAILURES =*$\|^=* ERRORS =*$' "$LOGS/pytest.log"; then
+  sed -n '/^=* \(FAILURES\|ERRORS\) =*$/,/short test summary info/p' "$LOGS/pytest.log" | grep -E '^(_{3,} .* _{3,}|E  |[^ ].*:[0-9]+: )' | tail -n 80
+fi
 grep -v '^WARNING' "$LOGS/pytest.log" | sed -n '/short test summary info/,$p' | tail -n 40
 grep -q 'short test summary info' "$LOGS/pytest.log" || tail -n 30 "$LOGS/pytest.log"
 read -r t_total t_fail < <("$BIN/python" - "$LOGS/pytest.xml" <<'PY'

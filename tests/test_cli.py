@@ -37,7 +37,7 @@ def test_train_on_two_processes_through_torchrun(tmp_path):
 def test_bench_gemm_is_wired_and_needs_a_gpu(capsys):
     import torch
     if torch.cuda.is_available(): pytest.skip("checks the no-GPU message")
-    assert main(["bench", "gemm", "--model-shapes", "rb100m"]) == 1
+    assert main(["bench", "gemm", "--model-shapes", "rb100m"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 def test_every_flag_of_every_subcommand_has_help():
@@ -48,3 +48,43 @@ def test_every_flag_of_every_subcommand_has_help():
     silent = {name: [a.option_strings[-1] if a.option_strings else a.dest for a in p._actions if not a.help]
               for name, p in sub.choices.items()}
     assert not any(silent.values()), {k: v for k, v in silent.items() if v}
+
+
+def test_parsing_any_command_imports_neither_torch_nor_triton():
+    "Every command's typical arguments parse, in a fresh process, without importing torch or triton (so --help is quick)."
+    typical = [["prepare", "--source", "jsonl", "--input", "a.jsonl", "--out", "d"], ["train"], ["train", "tiny", "--steps", "5", "--nproc", "2"],
+               ["train", "--config", "run.toml", "--no-progress"], ["eval", "--checkpoint", "c", "--data", "d"],
+               ["generate", "--checkpoint", "c", "--prompt", "The"], ["export", "c", "out.safetensors", "--dtype", "bf16"],
+               ["doctor"], ["bench", "rms_norm"], ["sweep", "rms_norm", "BLOCK_ROWS=1,BLOCK_ROWS=2"], ["profile", "--config", "tiny"],
+               ["ab", "--ref", "HEAD"], ["versus", "--config", "tiny"], ["sweep-arch", "tiny"]]
+    names = {argv[0] for argv in typical}
+    assert names == set(build_parser()._subparsers._group_actions[0].choices)   # every command is covered
+    code = ("import json, sys; from rtrainer.cli import build_parser; p = build_parser()\n"
+            f"for argv in {typical!r}: p.parse_args(argv)\n"
+            "print(json.dumps(sorted(m for m in ('torch', 'triton') if m in sys.modules)))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == []
+
+
+def test_bare_rtrainer_prints_its_commands():
+    r = subprocess.run(RTRAINER, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "prepare" in r.stdout and "generate" in r.stdout and "COMMAND --help" in r.stdout
+
+
+def test_kernel_commands_without_a_gpu_are_one_line_exit_2():
+    "bench and sweep on a CPU without TRITON_INTERPRET: one line saying what they need, status 2 (a user error)."
+    import os, torch
+    if torch.cuda.is_available(): pytest.skip("checks the no-GPU message")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for argv in (["bench", "rms_norm"], ["sweep", "vecadd", "BLOCK=256"]):
+        r = subprocess.run([*RTRAINER, *argv], capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "TRITON_INTERPRET=1" in r.stderr, r.stderr
+
+
+def test_profile_refuses_a_gpu_sized_model_on_a_cpu(capsys):
+    "`rtrainer profile --config prof183m` on a CPU: one line before anything is allocated (it grew past 10 GB)."
+    import torch
+    if torch.cuda.is_available(): pytest.skip("checks the no-GPU message")
+    assert main(["profile", "--config", "prof183m"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err

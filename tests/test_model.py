@@ -104,11 +104,12 @@ class Built(BaseException):
 def test_every_entry_point_builds_the_preset_as_specified(preset, monkeypatch, tmp_path):
     """`train`, `profile`, `versus`, `sweep-arch` and the Python API resolve one configuration per preset: the same shapes
     and parameter count (an unset --vocab-size used to reset the preset's lm-head padding, 50,432 -> 50,304)."""
-    from rtrainer import model as model_module, profiling
+    from rtrainer import model as model_module, profiling, training
     from rtrainer.cli import build_parser
     from rtrainer.training import run_train
     def capture(self, cfg, *a, **k): raise Built(cfg)
     monkeypatch.setattr(model_module.TransformerLm, "__init__", capture)
+    monkeypatch.setattr(training, "CPU_MAX_PARAMETERS", float("inf"))   # train refuses a GPU-sized model on a CPU; here nothing is built
     monkeypatch.setattr(profiling.PlainTransformer, "__init__", capture)
     def built(call):
         with pytest.raises(Built) as e: call()

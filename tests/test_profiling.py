@@ -171,7 +171,7 @@ def test_versus_save_as_keeps_the_record(tmp_path, monkeypatch):
     (tmp_path / "versus_tiny.json").write_text("the default tier's record")
     rates = {"rtrainer": iter([100.0, 101.0]), "max-autotune-no-cudagraphs": iter([90.0, 92.0])}
     monkeypatch.setattr(prof, "run_arm_process", lambda spec, timeout=None: dict(arm=spec["arm"], tokens_per_s=next(rates[spec["arm"]]), mfu=0.1))
-    p = argparse.ArgumentParser(); prof.add_versus_arguments(p)
+    from rtrainer.cli import add_versus_arguments; p = argparse.ArgumentParser(); add_versus_arguments(p)
     args = p.parse_args(["--config", "tiny", "--tiers", "max-autotune-no-cudagraphs", "--rounds", "2", "--save-as", "versus_tiny_autotune"])
     assert prof.run_versus(args) == 0
     assert (tmp_path / "versus_tiny.json").read_text() == "the default tier's record"
@@ -188,8 +188,8 @@ def test_ab_passes_train_flags_to_both_arms(monkeypatch):
     import rtrainer.profiling as profiling
     seen = {}
     monkeypatch.setattr(profiling, "ab", lambda *args, **kw: seen.update(kw))
-    p = argparse.ArgumentParser(); profiling.add_ab_arguments(p)
-    assert profiling.run_ab(p.parse_args(["--train-flags", "--no-cuda-graph --lr '3e-4'"])) == 0
+    from rtrainer.cli import add_ab_arguments; p = argparse.ArgumentParser(); add_ab_arguments(p)
+    assert profiling.run_ab(p.parse_args(["--config", "tiny", "--train-flags", "--no-cuda-graph --lr '3e-4'"])) == 0
     assert seen["extra"] == ["--no-cuda-graph", "--lr", "3e-4"]
 
 
@@ -226,7 +226,7 @@ def test_versus_batches_keeps_an_out_of_memory_row(tmp_path, monkeypatch):
         return real_plain(spec, mcfg, device)
     monkeypatch.setattr(prof, "_plain_arm", plain)
     monkeypatch.setattr(prof, "run_arm_process", lambda spec, timeout=None: prof.run_arm({**spec, "overrides": dict(vocab_size=SMALL_VOCAB)}))
-    p = argparse.ArgumentParser(); prof.add_versus_arguments(p)
+    from rtrainer.cli import add_versus_arguments; p = argparse.ArgumentParser(); add_versus_arguments(p)
     args = p.parse_args(["--config", "tiny", "--tiers", "eager", "--rounds", "1", "--steps", "1", "--warmup", "1", "--seq-len", "16", "--batches", "2,4"])
     assert prof.run_versus(args) == 0
     rows = json.loads((tmp_path / "versus_tiny.json").read_text())["rows"]

@@ -396,7 +396,8 @@ def test_every_train_flag_explains_itself(capsys):
 def test_cuda_graph_flags(tmp_path):
     "No flag: the graph wherever it applies (auto); --cuda-graph insists (on); --no-cuda-graph gives eager steps (off)."
     import argparse
-    from rtrainer.training import add_train_arguments, train_config_from_args
+    from rtrainer.settings import add_train_arguments
+    from rtrainer.training import train_config_from_args
     p = argparse.ArgumentParser(); add_train_arguments(p)
     modes = [train_config_from_args(p.parse_args(argv)).cuda_graph for argv in ([], ["--cuda-graph"], ["--no-cuda-graph"])]
     assert modes == ["auto", "on", "off"]
@@ -616,3 +617,16 @@ def test_a_full_disk_is_one_line_and_leaves_nothing_half_written(tmp_path, monke
     one_line_error(capsys, trained, "step 1: the checkpoint was not saved", "File too large", "this run saved no checkpoint")
     assert [p.name for p in (tmp_path / "docs").iterdir()] == []
     assert list((tmp_path / "run" / "checkpoints").iterdir()) == []
+
+
+def test_a_log_file_gets_plain_rows_not_a_progress_bar(tmp_path):
+    "Output to a file (not a terminal): no carriage-return bar, a plain row every --log-every steps instead."
+    log = tmp_path / "train.log"
+    with open(log, "w") as f:
+        r = subprocess.run([sys.executable, "-m", "rtrainer", "train", "--data", "synthetic", "--steps", "6", "--log-every", "2",
+                            "--eval-every", "0", "--batch-size", "2", "--seq-len", "16", "--vocab-size", "512", "--device", "cpu",
+                            "--no-checkpoints", "--out-dir", str(tmp_path / "o")], stdout=f, stderr=subprocess.STDOUT, timeout=300)
+    text = log.read_text()
+    assert r.returncode == 0, text
+    assert "\r" not in text
+    assert [int(l.split()[0]) for l in text.splitlines() if re.match(r"\s+\d+\s", l)] == [2, 4, 6]

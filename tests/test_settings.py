@@ -1,0 +1,46 @@
+"Settings chapter: a run described by a file (--config run.toml), the file every run writes, and flags over the file."
+import json
+from rtrainer.cli import main
+
+SMALL = ["--data", "synthetic", "--steps", "6", "--batch-size", "2", "--seq-len", "16", "--vocab-size", "512", "--log-every", "2",
+         "--eval-every", "0", "--device", "cpu", "--no-progress"]
+
+
+def cli(*args): return main([str(a) for a in args])
+
+
+def losses(folder): return [r["loss"] for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def test_a_run_repeated_from_its_written_config(tmp_path):
+    "Every run writes OUT_DIR/config.toml; `rtrainer train --config` that file repeats the run: the same losses."
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert cli("train", "tiny_moe", *SMALL, "--d-model", "32", "--lr", "2e-3", "--out-dir", first) == 0
+    written = (first / "config.toml").read_text()
+    assert 'model = "tiny_moe"' in written and "d_model = 32" in written and "lr = 0.002" in written
+    assert cli("train", "--config", first / "config.toml", "--out-dir", second) == 0
+    assert len(losses(first)) == 3 and losses(second) == losses(first)
+    assert (second / "config.toml").read_text().splitlines()[2:] == written.splitlines()[2:]   # all but the folder comments
+
+
+def test_flags_override_the_file(tmp_path):
+    run = tmp_path / "run.toml"
+    run.write_text('steps = 4\nseq_len = 16\nbatch_size = 2\nvocab_size = 512\ndata = "synthetic"\ndevice = "cpu"\nprogress = false\n'
+                   'eval_every = 0\nlog_every = 2\nbetas = [0.8, 0.9]\n')
+    assert cli("train", "--config", run, "--steps", "2", "--out-dir", tmp_path / "o") == 0
+    assert len(losses(tmp_path / "o")) == 1                          # --steps 2 (log every 2), not the file's 4
+    written = (tmp_path / "o" / "config.toml").read_text()
+    assert "steps = 2" in written and "betas = [0.8, 0.9]" in written and "vocab_size = 512" in written
+
+
+def test_a_bad_run_file_is_one_line_naming_key_and_file(tmp_path, capsys):
+    run = tmp_path / "run.toml"
+    for text, says in [("stpes = 4\n", "unknown setting 'stpes'"), ('steps = "four"\n', "steps must be an integer"),
+                       ("steps = \n", "not a TOML run file"), ('dp = "zero"\n', "dp must be one of fsdp, ddp")]:
+        run.write_text(text)
+        assert cli("train", "--config", run, "--out-dir", tmp_path / "o") == 2
+        err = capsys.readouterr().err
+        assert says in err and str(run) in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()                              # refused before anything is written
+    assert cli("train", "--config", "prof183m") == 2                 # a preset is not a run file: say how to name one
+    assert "rtrainer train prof183m" in capsys.readouterr().err
