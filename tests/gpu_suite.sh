@@ -29,7 +29,7 @@ stage() {  # stage NAME LIMIT_SECONDS COMMAND...
 RT="$PY -m rtrainer"
 
 for s in "$@"; do case $s in
-  gpu-tests) stage gpu_tests ${TESTS_LIMIT:-590} $PY tests/gpu_tests.py ${TESTS_K:+-k "$TESTS_K"} ;;   # every -m cuda test, recorded in data/results/gpu_tests.json (pass or fail)
+  gpu-tests) stage gpu_tests ${TESTS_LIMIT:-590} $PY tests/gpu_tests.py ${TESTS_WORKERS:+--workers $TESTS_WORKERS} ${TESTS_K:+-k "$TESTS_K"} ;;   # every -m cuda test, recorded in data/results/gpu_tests.json (pass or fail)
   save-cache) tar czf - -C "$CACHE" . | split -b 15m - "$OUT/gpu_cache.tgz.part-"; ls -la "$OUT"/gpu_cache.tgz.part-* ;;   # the compile caches in 15 MB parts (the device returns files of 16 MB at most): cat them into tar xz -C .gpu_cache
   env)       stage env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,temperature.gpu --format=csv; $PY -c 'import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())'; $PY -m rtrainer doctor" ;;
   parity-*)  f=${s#parity-}; stage "parity_$f" "${PARITY_LIMIT:-150}" $PY -m pytest -m cuda -v -p no:cacheprovider -o addopts="" --timeout 140 --durations=8 "tests/test_${f}_gpu.py" ;;
