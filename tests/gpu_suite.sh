@@ -77,7 +77,6 @@ for s in "$@"; do case $s in
   attention-math) stage attention_math ${MATH_LIMIT:-480} $PY experiments/attention_math_variants.py ;;   # instruction-count forward and atomic-dQ backward variants: $OUT/attention_math_variants.json
   optimizer-full) stage bench_optimizer_full ${OPT_LIMIT:-150} $PY -c "from rtrainer.optimizer import benchmark_suite; benchmark_suite()" ;;
   act-ckpt)  stage act_ckpt ${ACT_LIMIT:-560} $PY tests/gpu_train_bench.py --arms dense1b:16:triton:none,dense1b:16:triton:selective,dense1b:16:triton:full,dense1b:32:triton:full --rounds ${ROUNDS:-1} --steps ${STEPS:-10} --name activation_checkpointing ;;   # --activation-checkpointing none/selective/full at the reference batch, and full at twice it: tokens/s and peak memory, data/results/activation_checkpointing.json
-  memory-budget) stage memory_budget ${BUDGET_LIMIT:-400} $RT train dense1b --data synthetic --batch-size 32 --seq-len 1024 --steps 6 --log-every 3 --eval-every 0 --no-checkpoints --no-progress --memory-budget ${BUDGET_GIB:-40} --out-dir "$(mktemp -d)/run" ;;   # dense1b B32 under a 40 GiB budget: the split it picks and the steps' peak memory, in the stage log
   init-*)    c=${s#init-}; stage "init_$c" ${INIT_LIMIT:-300} $PY -c "from rtrainer.training import measure_init_checkpoint; measure_init_checkpoint('$c')" ;;   # init-moe4b: the step-0 checkpoint's size and its build, save and load times: data/results/init_checkpoint.json
   *) echo "unknown stage $s"; exit 2 ;;
 esac; done
