@@ -56,7 +56,7 @@ def test_parsing_any_command_imports_neither_torch_nor_triton():
                ["train", "--config", "run.toml", "--no-progress"], ["eval", "--checkpoint", "c", "--data", "d"],
                ["generate", "--checkpoint", "c", "--prompt", "The"], ["export", "c", "out.safetensors", "--dtype", "bf16"],
                ["doctor"], ["bench", "rms_norm"], ["sweep", "rms_norm", "BLOCK_ROWS=1,BLOCK_ROWS=2"], ["profile", "--config", "tiny"],
-               ["ab", "--ref", "HEAD"], ["versus", "--config", "tiny"], ["sweep-arch", "tiny"]]
+               ["ab", "--ref", "HEAD"], ["versus", "--config", "tiny"], ["sweep-arch", "tiny"], ["init", "tiny", "--seed", "1", "--d-model", "32"]]
     names = {argv[0] for argv in typical}
     assert names == set(build_parser()._subparsers._group_actions[0].choices)   # every command is covered
     code = ("import json, sys; from rtrainer.cli import build_parser; p = build_parser()\n"
