@@ -87,10 +87,11 @@ def launch_torchrun(nproc, argv):
             return int(verdict["status"])
         return status
 
-def launch_train(args):
+def launch_train(args, config=None):
     """`rtrainer train --nproc N` in the launcher: the flags are checked here first, so that a mistake is one line rather
-    than a failed torchrun, and the run's folders are chosen here, once for every rank; then torchrun starts the workers."""
-    cfg = train_config_from_args(args); model_config_from_args(args, cfg.seq_len)
+    than a failed torchrun, and the run's folders are chosen here, once for every rank; then torchrun starts the workers.
+    `config`: the run's TrainConfig when the caller has built it already."""
+    cfg = config or train_config_from_args(args); model_config_from_args(args, cfg.seq_len)
     argv = list(args.argv)
     if args.out_dir is None: argv += ["--out-dir", cfg.out_dir]
     if args.checkpoint_dir is None and cfg.checkpoint_dir: argv += ["--checkpoint-dir", cfg.checkpoint_dir]

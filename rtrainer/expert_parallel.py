@@ -331,8 +331,9 @@ def run_expert_parallel_train(args):
     if getattr(args, "dp", None) not in (None, "ddp"): raise ValueError(f"--ep runs the dense parameters under DDP; --dp {args.dp} is not supported with it")
     nproc = getattr(args, "nproc", 1)
     world_size = nproc if nproc > 1 else distributed_environment()[1]
-    check_expert_parallel(model_config_from_args(args, train_config_from_args(args).seq_len), world_size)
-    if nproc > 1: return launch_train(args)
+    cfg = train_config_from_args(args)
+    check_expert_parallel(model_config_from_args(args, cfg.seq_len), world_size)
+    if nproc > 1: return launch_train(args, cfg)
     args.dp = "ddp"
     return run_distributed_train(args, trainer_class=ExpertParallelTrainer)
 

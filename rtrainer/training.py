@@ -971,6 +971,7 @@ def train_config_from_args(args, log=print):
     apply_run_file(args)                      # --config FILE: every setting not given as a flag
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if getattr(args, f.name, None) is not None}
     given["model"] = args.model
+    moved = False                             # the default folder was taken: say where this run writes instead
     if "out_dir" not in given:
         if given.get("resume") and not given.get("checkpoint_dir"):
             folder = checkpoint_folder(given["resume"])
@@ -983,7 +984,7 @@ def train_config_from_args(args, log=print):
     config = TrainConfig(**given).validate()
     if resolve_device(config.device).type == "cpu":     # before any data is prepared or memory taken
         refuse_large_model_on_cpu(config.model, model_config_from_args(args, config.seq_len))
-    if locals().get("moved"): log(f"{base} holds another run: this run writes to {config.out_dir} (--out-dir chooses)")
+    if moved: log(f"{base} holds another run: this run writes to {config.out_dir} (--out-dir chooses)")
     return config
 
 CPU_MAX_PARAMETERS = 50e6   # above it a model is a GPU's work: on a CPU a step takes minutes and memory tens of GB
