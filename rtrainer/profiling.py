@@ -6,15 +6,16 @@ Docs: https://example.invalid/rtrainer/rtrainer/profiling.html.md"""
 
 # %% auto #0
 __all__ = ['PHASES', 'PROFILE_WARMUP_STEPS', 'CHART_ROWS', 'UNUSED_OUT_DIR', 'ARM_GUARD', 'AUTOCAST_TIERS', 'TIERS',
-           'ARM_RESULT_PREFIX', 'CHANGED_FRACTION', 'CHANGED_MIN_MS', 'GEMM_CEILING_TFLOPS', 'ROOFLINE_FAMILIES',
-           'FAMILY_PATTERNS', 'ROOFLINE_METHOD', 'resolve_peak_tflops', 'days_for_tokens', 'ProfilingTrainer',
-           'attribute_device_events', 'device_gaps', 'profile_step', 'profile_trainer', 'profile_table',
-           'profile_chart', 'Worktree', 'run_in_worktree', 'tokens_per_s_from_metrics', 'ab_arm', 'summarize_pairs',
-           'print_summary', 'ab', 'PlainMoe', 'PlainBlock', 'PlainTransformer', 'plain_parameter_counts',
-           'check_parameter_counts', 'gradient_dtypes', 'dtype_census', 'PlainAdamW', 'cuda_graphs_recorded', 'run_arm',
-           'arm_main', 'run_arm_process', 'versus', 'sweep_arch', 'changed_rows', 'refuse_on_cpu', 'run_profile',
-           'run_ab', 'parse_batches', 'run_versus', 'run_sweep_arch', 'kernel_floor_ms', 'step_kernels', 'step_floor',
-           'kernel_family', 'measured_families', 'roofline_report', 'roofline_table', 'roofline_suite']
+           'ARM_RESULT_PREFIX', 'SWEEP_ARCH_VARIANTS', 'CHANGED_FRACTION', 'CHANGED_MIN_MS', 'GEMM_CEILING_TFLOPS',
+           'ROOFLINE_FAMILIES', 'FAMILY_PATTERNS', 'ROOFLINE_METHOD', 'resolve_peak_tflops', 'days_for_tokens',
+           'ProfilingTrainer', 'attribute_device_events', 'device_gaps', 'profile_step', 'profile_trainer',
+           'profile_table', 'profile_chart', 'Worktree', 'run_in_worktree', 'tokens_per_s_from_metrics', 'ab_arm',
+           'summarize_pairs', 'print_summary', 'ab', 'PlainMoe', 'PlainBlock', 'PlainTransformer',
+           'plain_parameter_counts', 'check_parameter_counts', 'gradient_dtypes', 'dtype_census', 'PlainAdamW',
+           'cuda_graphs_recorded', 'run_arm', 'arm_main', 'run_arm_process', 'versus', 'sweep_arch', 'sweep_arch_suite',
+           'changed_rows', 'refuse_on_cpu', 'run_profile', 'run_ab', 'parse_batches', 'run_versus', 'run_sweep_arch',
+           'kernel_floor_ms', 'step_kernels', 'step_floor', 'kernel_family', 'measured_families', 'roofline_report',
+           'roofline_table', 'roofline_suite']
 
 # %% ../nbs/07_profiling.ipynb #973d0d1b
 import json, math, os, shlex, shutil, subprocess, sys, tempfile, time
@@ -751,6 +752,33 @@ def sweep_arch(config, batch_size=None, seq_len=None, warmup=2, steps=1, peak_tf
             f"{res['days_50b']:.1f} days for 50B tokens")
     else: log(f"{config}: {res.get('status')}")
     return res
+
+# %% ../nbs/07_profiling.ipynb #f3e67c65
+SWEEP_ARCH_VARIANTS = (   # (name, preset, overrides): the four reference configurations and other shapes at about their active parameters
+    ("rb100m", "rb100m", {}),
+    ("rb100m deep", "rb100m", dict(d_model=512, n_layers=29, n_heads=8, n_kv_heads=4)),
+    ("rb100m wide", "rb100m", dict(d_model=1024, n_layers=6, n_heads=16, n_kv_heads=4, d_ff=2816)),
+    ("prof183m", "prof183m", {}),
+    ("dense1b", "dense1b", {}),
+    ("dense1b deep", "dense1b", dict(d_model=1536, n_layers=44, n_heads=12, n_kv_heads=12, d_ff=4224)),
+    ("dense1b wide", "dense1b", dict(d_model=2560, n_layers=15, n_heads=20, n_kv_heads=20, d_ff=7040)),
+    ("moe4b", "moe4b", {}),
+    ("moe4b as dense", "moe4b", dict(n_experts=0, d_ff=8192)),
+)
+
+def sweep_arch_suite(variants=SWEEP_ARCH_VARIANTS, warmup=3, steps=3, save=True, log=print, **kw):
+    """`sweep_arch` over `variants`, each at its preset's reference batch unless `batch_size` is given (each its own process
+    unless isolate=False): one row per variant with its shape and counts; saved as data/results/sweep_arch.json."""
+    rows = []
+    for name, preset, overrides in variants:
+        res = sweep_arch(preset, warmup=warmup, steps=steps, log=log, **overrides, **kw)
+        c = model_config(preset, **overrides); counts = parameter_counts(c)
+        rows.append(dict(name=name, config=preset, overrides=overrides, parameters=counts["total"], active=counts["active"],
+                         d_model=c.d_model, n_layers=c.n_layers, aspect=c.d_model / c.n_layers,
+                         batch_size=res.get("batch_size"), seq_len=res.get("seq_len"), status=res.get("status", "ok"),
+                         **{k: res.get(k) for k in ("step_ms", "peak_memory_gib", "tokens_per_s", "mfu", "days_50b")}))
+    if save: save_results("sweep_arch", rows, method=f"sweep_arch per variant in its own process: {warmup} warm-up steps, then {steps} timed eager steps")
+    return rows
 
 # %% ../nbs/07_profiling.ipynb #d772d4b9
 CHANGED_FRACTION = 0.05     # a row "changed" when it moved by more than 5% ...

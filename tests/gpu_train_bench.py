@@ -87,7 +87,7 @@ def main():
         if c: print(f"{cfg}: loss curves triton vs torch over {c['steps']} steps: final (mean of last {c['window']}) "
                     f"{c['final_torch']:.4f} vs {c['final_triton']:.4f} (diff {c['final_diff']:+.4f}); largest gap of the "
                     f"{c['window']}-step means {c['max_smoothed_gap']:.4f}; step-to-step spread of the torch curve there {c['torch_noise']:.4f}")
-    save_results(a.name, summary, curves=curves, data=a.data, runs=results, steps=a.steps, seq_len=a.seq_len, protocol="arms alternated per round, each in its own process; last logging window")
+    save_results(a.name, summary, curves=curves, data=a.data, extra=a.extra, runs=results, steps=a.steps, seq_len=a.seq_len, protocol="arms alternated per round, each in its own process; last logging window")
     print(f"{'config':9} {'B':>3} {'impl':20} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9}  status")
     for s in summary:
         if "ratio" in s: print(f"{s['config']:9} {'':>3} {s['impl']:20} ratio {s['ratio']:.3f} [{s['ratio_low']:.3f}, {s['ratio_high']:.3f}] (n={s['n']})")
