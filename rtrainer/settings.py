@@ -78,6 +78,8 @@ class TrainConfig:
                                 "(rank 0; needs the tensorboard package)")
     on_signal: str = setting("save", "on SIGTERM or SIGINT: save a checkpoint at the next step boundary and stop (save), "
                              "or stop there without one (exit)")
+    memory_budget: float = setting(0.0, "GiB a step may peak at on the GPU: the micro-batch is halved from --batch-size until "
+                                   "a probe step fits, the accumulation raised to keep the global batch; 0 = off (one process)")
     activation_checkpointing: str = setting("none", "keep less for the backward and recompute the rest: none, selective (each "
                                             "block's attention and feed-forward rerun) or full (each whole block rerun)")
     cuda_graph: str = setting("auto", "replay the whole step as one CUDA graph; by default wherever it applies (a GPU, the "
@@ -98,7 +100,7 @@ class TrainConfig:
         if number("lr", real=True) < 0: raise ValueError(f"--lr must be positive (or 0 for the model's default), got {self.lr}")
         if self.lr == 0: self.lr = DEFAULT_LR.get(self.model, REFERENCE_LR)
         if not 0 <= number("floor", real=True) <= 1: raise ValueError(f"--floor must be between 0 and 1, got {self.floor}")
-        for name in ["weight_decay", "clip", "load_balance_weight"]:
+        for name in ["weight_decay", "clip", "load_balance_weight", "memory_budget"]:
             if number(name, real=True) < 0: raise ValueError(f"{_flag(name)} must be >= 0, got {getattr(self, name)}")
         if number("eps", real=True) <= 0: raise ValueError(f"--eps must be positive, got {self.eps}")
         betas = tuple(self.betas) if isinstance(self.betas, (tuple, list)) else ()

@@ -13,14 +13,14 @@ __all__ = ['CHECKPOINT_FORMAT', 'LEGACY_CHECKPOINT_FORMATS', 'SHAPE_FIELDS', 'DA
            'parameter_shapes', 'check_tensors_match_config', 'check_checksums', 'check_checkpoint_metadata',
            'read_checkpoint', 'check_same_shape', 'load_model_weights', 'prune_checkpoints', 'checkpoint_summary',
            'device_peak_tflops', 'mfu', 'retain_freed_memory', 'host_memory_free', 'held_out_loss', 'NonFiniteLoss',
-           'Stopped', 'holds_run', 'resolved', 'Trainer', 'load_model', 'side_stream', 'CapturedStep',
-           'compare_loss_curves', 'checkpoint_folder', 'free_run_folder', 'train_config_from_args',
-           'refuse_large_model_on_cpu', 'model_config_from_args', 'ensure_bundled_data', 'run_train', 'check_counts',
-           'run_eval', 'run_generate', 'initial_model', 'save_initial_checkpoint', 'run_init',
-           'measure_init_checkpoint']
+           'Stopped', 'holds_run', 'fit_micro_batch', 'check_memory_budget', 'resolved', 'Trainer', 'load_model',
+           'side_stream', 'CapturedStep', 'compare_loss_curves', 'checkpoint_folder', 'free_run_folder',
+           'train_config_from_args', 'refuse_large_model_on_cpu', 'model_config_from_args', 'ensure_bundled_data',
+           'run_train', 'check_counts', 'run_eval', 'run_generate', 'initial_model', 'save_initial_checkpoint',
+           'run_init', 'measure_init_checkpoint']
 
 # %% ../nbs/06_training.ipynb #9db08b8c
-import ctypes, dataclasses, hashlib, json, math, os, re, shutil, signal, statistics, sys, tempfile, threading, time, uuid, zlib
+import ctypes, dataclasses, hashlib, itertools, json, math, os, re, shutil, signal, statistics, sys, tempfile, threading, time, uuid, zlib
 from dataclasses import asdict
 from pathlib import Path
 import numpy as np
@@ -403,6 +403,25 @@ def holds_run(folder):
     folder = Path(folder)
     return any((folder / n).exists() for n in (RUN_FILE, "metrics.jsonl")) or any(Path(folder, "checkpoints").glob("step-*"))
 
+def fit_micro_batch(batch_size, accumulation, budget_bytes, peak_of):
+    """(micro-batch, accumulation, peak bytes): the largest micro-batch, halving from `batch_size`, that divides the global
+    batch and whose step `peak_of(micro_batch, accumulation)` measures at most `budget_bytes` (None: out of memory)."""
+    total, tried, B = batch_size * accumulation, [], batch_size
+    while B >= 1:
+        if total % B == 0:
+            peak = peak_of(B, total // B)
+            if peak is not None and peak <= budget_bytes: return B, total // B, peak
+            tried.append(f"{B}: {'out of memory' if peak is None else f'{peak / 2**30:.1f} GiB'}")
+        B //= 2
+    raise ValueError(f"--memory-budget {budget_bytes / 2**30:g} GiB: no micro-batch fits (probe peaks of micro-batch {', '.join(tried)}); "
+                     "raise the budget, or shorten --seq-len, or add --activation-checkpointing")
+
+def check_memory_budget(config, device, distributed=False):
+    "Refuse --memory-budget (one line) where it cannot measure one process's peak on a GPU: several processes, or a CPU."
+    if not config.memory_budget: return
+    if distributed: raise ValueError("--memory-budget runs in one process: leave it out with --nproc, --dp or --ep")
+    if device.type != "cuda": raise ValueError(f"--memory-budget measures a GPU's peak memory; this run is on {device}: leave it out")
+
 RESUME_MUST_MATCH = ["seq_len", "lr", "warmup", "floor", "decay_steps", "weight_decay", "betas", "eps", "clip", "seed",
                      "load_balance_weight", "load_balance_decay_steps"]
 
@@ -421,6 +440,7 @@ class Trainer:
     def __init__(self, config: TrainConfig, model_config: ModelConfig, log=print):
         self.cfg, self.log = config.validate(), log
         self.device = resolve_device(config.device)
+        check_memory_budget(config, self.device, self.distributed)
         self.model_config = model_config
         self.out_dir = Path(config.out_dir)
         self.checkpoint_dir = Path(config.checkpoint_dir or self.out_dir / "checkpoints")
@@ -447,8 +467,34 @@ class Trainer:
         self.captured = self.graph_step()
         if config.resume: self.restore(config.resume, moments=True, resume=True)
         elif config.init_from: self.restore(config.init_from, moments=config.init_moments, resume=False)
+        if config.memory_budget: self.fit_memory_budget()      # before any step: the CUDA graph captures the fitted split
 
     def build_model(self): return TransformerLm(self.model_config, device=self.device)
+
+    def fit_memory_budget(self):
+        "Under --memory-budget: take the largest micro-batch whose probe step peaks under it, and the accumulation keeping the global batch."
+        c = self.cfg
+        for i in range(len(self.optimizer.params)): self.optimizer.moments(i)   # the moments (zeros until the first step) in place
+        B, n, peak = fit_micro_batch(c.batch_size, c.accumulation, c.memory_budget * 2**30, self.probe_peak)
+        self.log(f"--memory-budget {c.memory_budget:g} GiB: micro-batch {B} x accumulation {n} (global batch {B * n}), "
+                 f"a probe step peaked at {peak / 2**30:.1f} GiB")
+        c.batch_size, c.accumulation = B, n
+
+    def probe_peak(self, batch_size, accumulation):
+        """Peak bytes on the GPU of a step's forward and backward (two micro-batches when accumulating) at this split of
+        step 0's batch, or None if it ran out of memory. Nothing of it stays: no update, the gradients dropped."""
+        c, split = self.cfg, (self.cfg.batch_size, self.cfg.accumulation)
+        c.batch_size, c.accumulation = batch_size, accumulation
+        try:
+            torch.cuda.synchronize(self.device); torch.cuda.reset_peak_memory_stats(self.device)
+            self.accumulate(itertools.islice(self.micro_batches(0), 2), 0.0)
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device)
+        except torch.cuda.OutOfMemoryError: return None
+        finally:
+            c.batch_size, c.accumulation = split
+            self.optimizer.zero_grad(); self.model.moe_stats = []
+            torch.cuda.empty_cache()
 
     def check_host_memory(self):
         "On a CPU, refuse a micro-batch whose fp32 logits and log-softmax alone need more than the host has free."
@@ -982,7 +1028,11 @@ def train_config_from_args(args, log=print):
             given["out_dir"] = str(free_run_folder(base))
             moved = given["out_dir"] != str(base) and int(os.environ.get("RANK", 0)) == 0
     config = TrainConfig(**given).validate()
-    if resolve_device(config.device).type == "cpu":     # before any data is prepared or memory taken
+    device = resolve_device(config.device)
+    nproc, dp, ep = (getattr(args, k, None) for k in ("nproc", "dp", "ep"))
+    several = (nproc or 1) > 1 or bool(dp or ep) or int(os.environ.get("WORLD_SIZE", 1)) > 1   # the launcher or a torchrun worker
+    check_memory_budget(config, device, distributed=several)   # before any data is prepared or a run folder made
+    if device.type == "cpu":     # before any data is prepared or memory taken
         refuse_large_model_on_cpu(config.model, model_config_from_args(args, config.seq_len))
     if moved: log(f"{base} holds another run: this run writes to {config.out_dir} (--out-dir chooses)")
     return config

@@ -44,3 +44,20 @@ def test_a_bad_run_file_is_one_line_naming_key_and_file(tmp_path, capsys):
     assert not (tmp_path / "o").exists()                              # refused before anything is written
     assert cli("train", "--config", "prof183m") == 2                 # a preset is not a run file: say how to name one
     assert "rtrainer train prof183m" in capsys.readouterr().err
+
+
+def test_a_run_file_takes_the_memory_budget(tmp_path, capsys):
+    "--memory-budget is a flag and a run-file key like any setting; on a CPU a run file asking for it is refused in one line."
+    import argparse
+    from rtrainer.settings import add_train_arguments, read_run_file
+    p = argparse.ArgumentParser(); add_train_arguments(p)
+    assert "--memory-budget" in p.format_help() and p.parse_args(["--memory-budget", "40"]).memory_budget == 40.0
+    run = tmp_path / "run.toml"
+    run.write_text('memory_budget = 40\ndata = "synthetic"\ndevice = "cpu"\n')
+    assert read_run_file(run)["memory_budget"] == 40
+    assert cli("train", "--config", run, "--out-dir", tmp_path / "o") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--memory-budget measures a GPU's peak memory; this run is on cpu" in err[0], err
+    assert not (tmp_path / "o").exists()
+    run.write_text('memory_budget = "lots"\n')
+    assert cli("train", "--config", run, "--out-dir", tmp_path / "o") == 2 and "memory_budget must be a number" in capsys.readouterr().err

@@ -154,6 +154,31 @@ def test_activation_checkpointing_and_the_cuda_graph(tmp_path, capsys):
     with pytest.raises(ValueError, match="does not capture"): training.CapturedStep(t, capture=False)   # so --cuda-graph auto takes eager steps
 
 
+def test_memory_budget_halves_the_micro_batch_and_keeps_the_global_batch():
+    from rtrainer.training import fit_micro_batch
+    GiB, probes = 2**30, []
+    def peak(B, accumulation): probes.append((B, accumulation)); return None if B > 8 else 4 * GiB + B * GiB   # None: out of memory
+    assert fit_micro_batch(32, 2, 10 * GiB, peak) == (4, 16, 8 * GiB) and probes == [(32, 2), (16, 4), (8, 8), (4, 16)]
+    probes.clear(); assert fit_micro_batch(12, 1, 6 * GiB, peak) == (1, 12, 5 * GiB) and probes == [(12, 1), (6, 2), (3, 4), (1, 12)]
+    probes.clear(); assert fit_micro_batch(7, 1, 5 * GiB, peak) == (1, 7, 5 * GiB) and probes == [(7, 1), (1, 7)]   # 3 does not divide 7
+    probes.clear(); assert fit_micro_batch(8, 3, 12 * GiB, peak) == (8, 3, 12 * GiB) and probes == [(8, 3)]       # as asked if it fits
+    with pytest.raises(ValueError, match=r"--memory-budget 2 GiB: no micro-batch fits .*8: 12.0 GiB, 4: 8.0 GiB, 2: 6.0 GiB, 1: 5.0 GiB"):
+        fit_micro_batch(8, 1, 2 * GiB, peak)
+
+
+def test_a_fitted_split_trains_as_the_asked_one(tmp_path):
+    "The split the budget picks (moments made before the first step) trains on the same sequences as the split asked for."
+    def trainer(out, **kw):
+        return Trainer(cfg(tmp_path, steps=3, out_dir=str(tmp_path / out), **{"batch_size": 4, "accumulation": 1, **kw}), model_config("tiny"), log=quiet)
+    fitted, asked = trainer("fitted"), trainer("asked", batch_size=2, accumulation=2)
+    fitted.cfg.memory_budget = 1.0       # the probe is a GPU's; here a stand-in says only micro-batches of 2 fit
+    fitted.probe_peak = lambda B, accumulation: 2**29 if B <= 2 else None
+    fitted.fit_memory_budget()
+    assert (fitted.cfg.batch_size, fitted.cfg.accumulation) == (2, 2) and len(fitted.optimizer.state_tensors()) == 2 * len(fitted.optimizer.params)
+    fitted.run(); asked.run()
+    for a, b in zip(fitted.model.parameters(), asked.model.parameters()): assert torch.equal(a, b)
+
+
 def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     t = Trainer(cfg(tmp_path, steps=1), model_config("tiny"), log=quiet); t.run()
     path = tmp_path / "ck.safetensors"
@@ -548,6 +573,9 @@ def test_sigterm_saves_at_the_next_step_boundary(tmp_path, monkeypatch, capsys):
     (["train", "--allow-resume-changes"], "--allow-resume-changes applies to --resume"),
     (["train", "--skip-batches", "2"], "--skip-batches applies to --resume"),
     (["train", "--skip-batches", "-1"], "--skip-batches must be >= 0"),
+    (["train", "--memory-budget", "8", "--device", "cpu"], "--memory-budget measures a GPU's peak memory; this run is on cpu"),
+    (["train", "--memory-budget", "-1"], "--memory-budget must be >= 0"),
+    (["train", "--memory-budget", "8", "--nproc", "2"], "--memory-budget runs in one process"),
     (["train", "--activation-checkpointing", "some"], "--activation-checkpointing must be one of none, selective, full"),
     (["train", "--on-signal", "ignore"], "--on-signal must be one of save, exit"),
     (["train", "--device", "foo"], "--device 'foo' is not a device"),

@@ -6,11 +6,11 @@ from rtrainer.training import Trainer, TrainConfig, NonFiniteLoss, resolved
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-def gpu_trainer(tmp_path, config="tiny", log=lambda *a: None, **kw):
-    "A quiet trainer on the GPU; eager steps unless `cuda_graph` says otherwise."
+def gpu_trainer(tmp_path, config="tiny", log=lambda *a: None, shape=None, **kw):
+    "A quiet trainer on the GPU; eager steps unless `cuda_graph` says otherwise. `shape`: the model config's overrides."
     base = dict(model=config, data="synthetic", steps=6, batch_size=4, seq_len=128, warmup=1, eval_every=0,
                 out_dir=str(tmp_path / "run"), progress=False, device="cuda", cuda_graph="off")
-    return Trainer(TrainConfig(**{**base, **kw}), model_config(config), log=log)
+    return Trainer(TrainConfig(**{**base, **kw}), model_config(config, **(shape or {})), log=log)
 
 @pytest.mark.parametrize("config", ["tiny", "tiny_moe"])
 def test_step_body_never_waits_for_the_gpu(tmp_path, config):
@@ -170,3 +170,32 @@ def test_activation_checkpointing_gives_the_plain_gradients_on_the_gpu(tmp_path,
     noise = relative(again, plain)
     for mode in ("selective", "full"):
         assert relative(grads(mode), plain) <= max(4 * noise, 1e-5), (mode, noise)
+
+# A model whose step peak is its activations, counted as the training chapter counts (`step_gib`): 3,475,712 parameters
+# at 14 B each (bf16 weights, fp32 gradients, fp32 moments) are 0.045 GiB; a block keeps 2 x (6 x 256 + 3 x 704) =
+# 7,296 B a token for its backward, 4 blocks 29,184 B, so 32 x 1024 tokens keep 0.89 GiB and 16 x 1024 tokens 0.45 GiB;
+# the loss's logits chunk is 4096 x 512 x 2 B = 4 MiB (at `tiny`, 50k wide, it was 393 MiB and made the peak). So
+# above what is held before the step, 16 x 2 (one micro-batch's activations and the 13 MiB of fp32 gradients the
+# first leaves) needs about half of 32 x 1; the test asks for under 0.75.
+BUDGET_MODEL = dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, head_dim=64, d_ff=704, vocab_size=512, max_seq_len=1024)
+
+def test_memory_budget_picks_a_micro_batch_that_fits(tmp_path):
+    "--memory-budget between the probe peaks of 32 x 1 and 16 x 2: the run takes 16 x 2, and its steps stay under the budget."
+    import gc
+    GiB, common = 2**30, dict(shape=BUDGET_MODEL, batch_size=32, seq_len=1024, checkpoints=False)
+    probe = gpu_trainer(tmp_path / "probe", **common)
+    for i in range(len(probe.optimizer.params)): probe.optimizer.moments(i)
+    torch.cuda.synchronize(); held = torch.cuda.memory_allocated()   # weights, moments, and whatever else the process holds
+    whole, half = probe.probe_peak(32, 1), probe.probe_peak(16, 2)
+    print(f"held {held / GiB:.3f} GiB; probe peaks: 32 x 1 {whole / GiB:.3f} GiB, 16 x 2 {half / GiB:.3f} GiB")
+    assert half - held < 0.75 * (whole - held)
+    del probe; gc.collect(); torch.cuda.empty_cache()
+    budget, logs = (whole + half) / 2 / GiB, []
+    t = gpu_trainer(tmp_path / "run", steps=3, log_every=1, memory_budget=budget, log=logs.append, **common)
+    assert (t.cfg.batch_size, t.cfg.accumulation) == (16, 2), logs
+    t.run()
+    peaks = [r["peak_memory_gib"] for r in t.history if "peak_memory_gib" in r]
+    print(f"budget {budget:.3f} GiB: {logs[0]}; the steps' peaks {peaks}")
+    assert len(peaks) == 3 and max(peaks) <= budget
+    del t; gc.collect(); torch.cuda.empty_cache()
+    with pytest.raises(ValueError, match="no micro-batch fits"): gpu_trainer(tmp_path / "none", memory_budget=1e-4, **common)
