@@ -10,7 +10,7 @@ __all__ = ['SUBCOMMANDS', 'CHECKPOINT_HELP', 'IMPL_HELP', 'USER_ERRORS', 'add_pr
            'add_kernel_bench_arguments', 'add_sweep_arguments', 'add_batch_arguments', 'add_rounds_arguments',
            'add_profile_arguments', 'add_ab_arguments', 'add_versus_arguments', 'add_sweep_arch_arguments',
            'add_train_arguments', 'run_train', 'add_bench_arguments', 'run_bench', 'OneLineParser', 'build_parser',
-           'command_function', 'Terminated', 'error_message', 'main']
+           'command_function', 'Terminated', 'error_message', 'main', 'startup_commands', 'startup_times']
 
 # %% ../nbs/09_cli.ipynb #2e4a25d3
 import argparse, importlib, os, signal, sys, threading
@@ -269,3 +269,64 @@ def main(argv=None):
         return 130
     finally:
         if main_thread: signal.signal(signal.SIGTERM, before)
+
+# %% ../nbs/09_cli.ipynb #8004040d
+def _cpu_name():
+    "The CPU's model name (Linux), else the platform's word for it."
+    import platform
+    try: return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration): return platform.processor() or "CPU"
+
+def startup_commands():
+    "{name: argv} of what `startup_times` runs: each command's `--help`, two refused flags, and the imports a run pays for."
+    python, module = [sys.executable], [sys.executable, "-m", "rtrainer"]
+    commands = {"python (empty program)": [*python, "-c", "pass"]}
+    script = os.path.join(os.path.dirname(sys.executable), "rtrainer")   # the console script beside this interpreter
+    if os.path.exists(script): commands["rtrainer --help"] = [script, "--help"]
+    commands["python -m rtrainer --help"] = [*module, "--help"]
+    for name in build_parser()._subparsers._group_actions[0].choices: commands[f"{name} --help"] = [*module, name, "--help"]
+    commands["train --steps x (parser refuses)"] = [*module, "train", "--steps", "x"]
+    commands["train --steps -1 (validate refuses)"] = [*module, "train", "--steps", "-1"]
+    commands["import torch"] = [*python, "-c", "import torch"]
+    commands["import rtrainer.training"] = [*python, "-c", "import rtrainer.training"]
+    return commands
+
+_TORCH_MARK = "rtrainer-startup: torch imported ="
+
+def _imports_torch(argv, cwd):
+    "(whether running argv left torch in sys.modules, its exit status): argv rerun under a wrapper that reports at exit."
+    import subprocess
+    if argv[1:3] == ["-m", "rtrainer"]: body = f"import runpy; sys.argv = ['rtrainer', *{argv[3:]!r}]; runpy.run_module('rtrainer', run_name='__main__', alter_sys=True)"
+    elif argv[1] == "-c": body = argv[2]
+    else: body = f"from rtrainer.cli import main; sys.argv = ['rtrainer', *{argv[1:]!r}]; sys.exit(main())"   # the console script
+    code = f"import atexit, sys; atexit.register(lambda: print({_TORCH_MARK!r}, 'torch' in sys.modules, file=sys.stderr))\n{body}"
+    r = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True)
+    reported = [line for line in r.stderr.splitlines() if line.startswith(_TORCH_MARK)]
+    if not reported: raise RuntimeError(f"{argv}: no report at exit (status {r.returncode}): {r.stderr[-400:]}")
+    return reported[-1].endswith("True"), r.returncode
+
+def startup_times(repeats=5, save=True, names=None, note=""):
+    """Wall-clock seconds of each of `startup_commands()` (or of `names`) in a fresh process, the median of `repeats`
+    rounds (every command once per round), with whether it imported torch and its exit status; returns the rows and,
+    with `save`, records them in data/results/cli_startup.json (with the load average before and after)."""
+    import statistics, subprocess, tempfile, time    # here, not at the top: the command line's own start stays lean
+    commands = startup_commands()
+    if names is not None: commands = {name: commands[name] for name in names}
+    load_before = os.getloadavg()[0]
+    seconds = {name: [] for name in commands}
+    with tempfile.TemporaryDirectory() as cwd:       # whatever a command writes is thrown away
+        checks = {name: _imports_torch(argv, cwd) for name, argv in commands.items()}   # also the warm-up round
+        for _ in range(repeats):
+            for name, argv in commands.items():
+                start = time.perf_counter()
+                status = subprocess.run(argv, cwd=cwd, capture_output=True).returncode
+                seconds[name].append(time.perf_counter() - start)
+                if status != checks[name][1]: raise RuntimeError(f"{name}: exit status {status}, {checks[name][1]} under the wrapper")
+    shown = lambda argv: " ".join(["python" if argv[0] == sys.executable else "rtrainer", *argv[1:]])
+    rows = [dict(name=name, command=shown(argv), seconds=round(statistics.median(seconds[name]), 4), seconds_list=[round(s, 4) for s in seconds[name]],
+                 imports_torch=checks[name][0], exit_status=checks[name][1]) for name, argv in commands.items()]
+    if save:
+        from rtrainer.kernels import save_results    # imports torch, after the measurement
+        save_results("cli_startup", rows, device=f"{_cpu_name()} ({os.cpu_count()} cores)", repeats=repeats,
+                     load_average_1min=[round(load_before, 2), round(os.getloadavg()[0], 2)], note=note)
+    return rows

@@ -1,13 +1,13 @@
 """Running a chapter never modifies a tracked file: a cell that measures writes data/results/ only when
 RTRAINER_RECORD=1 is set. Checked by running 00_tokenization's benchmark cell with the benchmark stubbed out (nothing
-heavy runs), and by reading the measuring cells of the optimizer, profiling and distributed chapters."""
+heavy runs), and by reading the measuring cells of the optimizer, profiling, distributed and command-line chapters."""
 import json, re
 from pathlib import Path
 import pytest
 CaptureShell = pytest.importorskip("execnb.shell", reason="needs nbdev's execnb (the dev extra)").CaptureShell
 
 ROOT = Path(__file__).resolve().parent.parent
-RECORDERS = re.compile(r"\b(benchmark_suite|scaling_suite|loss_curve_suite|versus|benchmark_prepare_speed|save_results)\(|\[\"profile\"")
+RECORDERS = re.compile(r"\b(benchmark_suite|scaling_suite|loss_curve_suite|versus|benchmark_prepare_speed|startup_times|save_results)\(|\[\"profile\"")
 
 def code_cells(name):
     "The non-export code cells of nbs/NAME.ipynb, as source strings."
@@ -35,7 +35,7 @@ def test_tokenization_benchmark_records_only_when_asked(record, monkeypatch):
     expected = ROOT / "data/results/tokenization_speed.json" if record else None
     assert calls[0]["out_path"] == expected
 
-@pytest.mark.parametrize("name", ["00_tokenization", "04_optimizer", "07_profiling", "08_distributed", "08b_expert_parallel"])
+@pytest.mark.parametrize("name", ["00_tokenization", "04_optimizer", "07_profiling", "08_distributed", "08b_expert_parallel", "09_cli"])
 def test_recording_cells_are_gated(name):
     "Every measuring cell (`#| cuda` or `#| slow`) of these chapters that can record asks RTRAINER_RECORD first."
     measuring = [code for code in code_cells(name) if code.startswith(("#| cuda", "#| slow")) and RECORDERS.search(code)]
