@@ -544,11 +544,12 @@ def test_sigterm_saves_at_the_next_step_boundary(tmp_path, monkeypatch, capsys):
         if i == 2: os.kill(os.getpid(), signal.SIGINT)
         return real(self, i)
     monkeypatch.setattr(training.Trainer, "train_step", interrupted)
+    before = signal.getsignal(signal.SIGINT)     # Python's default_int_handler, or SIG_IGN in a process started in the background
     assert cli(*flags, "--steps", 100, "--on-signal", "exit", "--out-dir", tmp_path / "exit") == 128 + signal.SIGINT
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["rtrainer train: SIGINT at step 3: stopped without saving (--on-signal exit); this run saved no checkpoint"], err
     assert not list((tmp_path / "exit" / "checkpoints").glob("*"))
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # the run put the handler back
+    assert signal.getsignal(signal.SIGINT) is before      # the run put the handler back
     monkeypatch.setattr(training.Trainer, "train_step", real)
 
     leftovers = [path.parent / f".step-{step + 1:08d}.safetensors.tmp-4242", path.parent / f".step-{step + 1:08d}.tmp", path.parent / ".tmpAb3dEf"]
