@@ -153,6 +153,7 @@ def add_versus_arguments(p):
     p.add_argument("--save-as", default=None, help="results name instead of versus_CONFIG (a run of other tiers keeps the record)")
     p.add_argument("--batches", default=None, help="several batch sizes in one call, e.g. 16,32: one alternated comparison each, saved together")
     p.add_argument("--cuda-graph", action="store_true", help="also run the trainer with its step as one CUDA graph (`rtrainer train`'s default on a GPU), as the arm the others are compared to; the `rtrainer` arm takes eager steps")
+    p.add_argument("--keep-arms", action="store_true", help="keep each arm's process for all rounds of a batch size, all arms built and warmed up at once (small shapes: every arm's memory is held together)")
 
 def add_sweep_arch_arguments(p):
     p.add_argument("config", help="preset name or model-config JSON")

@@ -12,13 +12,14 @@ __all__ = ['PHASES', 'PROFILE_WARMUP_STEPS', 'CHART_ROWS', 'UNUSED_OUT_DIR', 'AR
            'profile_table', 'profile_chart', 'Worktree', 'run_in_worktree', 'tokens_per_s_from_metrics', 'ab_arm',
            'summarize_pairs', 'print_summary', 'ab', 'PlainMoe', 'PlainBlock', 'PlainTransformer',
            'plain_parameter_counts', 'check_parameter_counts', 'gradient_dtypes', 'dtype_census', 'PlainAdamW',
-           'cuda_graphs_recorded', 'run_arm', 'arm_main', 'run_arm_process', 'versus', 'sweep_arch', 'sweep_arch_suite',
-           'changed_rows', 'refuse_on_cpu', 'run_profile', 'run_ab', 'parse_batches', 'run_versus', 'run_sweep_arch',
-           'kernel_floor_ms', 'step_kernels', 'step_floor', 'kernel_family', 'measured_families', 'roofline_report',
-           'roofline_table', 'roofline_suite']
+           'cuda_graphs_recorded', 'ArmRun', 'arm_failure', 'run_arm', 'arm_main', 'run_arm_process', 'process_failure',
+           'arm_worker_main', 'KeptArm', 'KeptArms', 'versus', 'sweep_arch', 'sweep_arch_suite', 'changed_rows',
+           'refuse_on_cpu', 'run_profile', 'run_ab', 'parse_batches', 'run_versus', 'run_sweep_arch', 'kernel_floor_ms',
+           'step_kernels', 'step_floor', 'kernel_family', 'measured_families', 'roofline_report', 'roofline_table',
+           'roofline_suite']
 
 # %% ../nbs/07_profiling.ipynb #973d0d1b
-import json, math, os, shlex, shutil, subprocess, sys, tempfile, time
+import json, math, os, queue, shlex, shutil, subprocess, sys, tempfile, threading, time
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
@@ -617,27 +618,34 @@ def _plain_arm(spec, mcfg, device):
     census = lambda: dtype_census(model, moments(), gradients, masters)
     return step, losses, census, model
 
-def run_arm(spec):
-    "Run one arm described by `spec` (arm, config, overrides, batch_size, seq_len, warmup, steps, peak_tflops); returns a result dict."
-    device = torch.device(spec.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
-    mcfg = model_config(spec["config"], **spec.get("overrides", {}))
-    if mcfg.max_seq_len < spec["seq_len"]: mcfg = model_config(spec["config"], **{**spec.get("overrides", {}), "max_seq_len": spec["seq_len"]})
-    result = dict(arm=spec["arm"], config=spec["config"], batch_size=spec["batch_size"], seq_len=spec["seq_len"], device=str(device))
-    try:
+class ArmRun:
+    """One arm (`spec`: arm, config, overrides, batch_size, seq_len, warmup, steps, peak_tflops) built and warmed up
+    once; `measure()` then times `spec["steps"]` steps as often as asked, each call a result dict."""
+    def __init__(self, spec):
+        self.spec, self.device = spec, torch.device(spec.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+        overrides = spec.get("overrides", {})
+        self.mcfg = model_config(spec["config"], **overrides)
+        if self.mcfg.max_seq_len < spec["seq_len"]: self.mcfg = model_config(spec["config"], **{**overrides, "max_seq_len": spec["seq_len"]})
         make = _rtrainer_arm if spec["arm"].startswith("rtrainer") else _plain_arm
-        step, losses, census, model = make(spec, mcfg, device)
+        self.step, self.losses, self.census, self.model = make(spec, self.mcfg, self.device)
         warmup = max(spec["warmup"], GRAPH_WARMUP_STEPS + 1) if spec["arm"] == "rtrainer-graph" else spec["warmup"]   # capture in the warm-up
         t0 = time.perf_counter()
-        for i in range(warmup): step(i)
-        _sync(device); result["compile_s"] = time.perf_counter() - t0
+        for i in range(warmup): self.step(i)
+        _sync(self.device); self.compile_s, self.next_step = time.perf_counter() - t0, warmup
+
+    def measure(self):
+        spec, device = self.spec, self.device
+        result = dict(arm=spec["arm"], config=spec["config"], batch_size=spec["batch_size"], seq_len=spec["seq_len"],
+                      device=str(device), compile_s=self.compile_s)
         if device.type == "cuda": torch.cuda.reset_peak_memory_stats(device)   # the peak of training, not of autotuning
-        del losses[:]
+        del self.losses[:]
         builds = dict(TABLE_BUILDS)
+        first, self.next_step = self.next_step, self.next_step + spec["steps"]
         t0 = time.perf_counter()
-        for i in range(warmup, warmup + spec["steps"]): step(i)
+        for i in range(first, self.next_step): self.step(i)
         _sync(device); seconds = time.perf_counter() - t0
-        values = [float(l) for l in losses]
-        result.update(step_ms=seconds / spec["steps"] * 1e3, census=census(),
+        values = [float(l) for l in self.losses]
+        result.update(step_ms=seconds / spec["steps"] * 1e3, census=self.census(),
                       cuda_graphs=1 if spec["arm"] == "rtrainer-graph" else cuda_graphs_recorded())   # the trainer's own graph
         if result["census"].get("violations"):      # a number under another precision than the arm's is not reported
             result["status"] = f"refused: not the arm's precision policy: {'; '.join(result['census']['violations'][:3])}"
@@ -653,16 +661,23 @@ def run_arm(spec):
             result["status"] = f"rejected: non-finite loss in the timed window ({values})"
             return result
         result.update(final_loss=values[-1], tokens_per_s=spec["batch_size"] * spec["seq_len"] * spec["steps"] / seconds)
-        result["mfu"] = mfu(result["tokens_per_s"], mcfg, spec["seq_len"], spec.get("peak_tflops"))
-    except torch.OutOfMemoryError:
+        result["mfu"] = mfu(result["tokens_per_s"], self.mcfg, spec["seq_len"], spec.get("peak_tflops"))
+        return result
+
+def arm_failure(spec, e):
+    "The result dict of an arm that raised `e` while it was built, warmed up or timed: the comparison goes on."
+    result = dict(arm=spec["arm"], config=spec["config"], batch_size=spec["batch_size"], seq_len=spec["seq_len"])
+    if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
         result.update(status="out of memory")
-        if device.type == "cuda": result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    except NonFiniteLoss as e:
-        result.update(status=f"rejected: {e}")
-    except Exception as e:                    # e.g. a compiler error: this arm fails, the comparison goes on
-        oom = "out of memory" in str(e).lower()
-        result.update(status="out of memory" if oom else f"failed: {type(e).__name__}: {str(e)[:400]}")
+        if torch.cuda.is_available(): result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    elif isinstance(e, NonFiniteLoss): result.update(status=f"rejected: {e}")
+    else: result.update(status=f"failed: {type(e).__name__}: {str(e)[:400]}")   # e.g. a compiler error
     return result
+
+def run_arm(spec):
+    "Build, warm up and time one arm described by `spec`; returns a result dict (status says what went wrong if it failed)."
+    try: return ArmRun(spec).measure()
+    except Exception as e: return arm_failure(spec, e)
 
 def arm_main(spec_json):
     "Entry point of an arm's process: print the result as one JSON line."
@@ -677,21 +692,96 @@ def run_arm_process(spec, timeout=None):
         return dict(arm=spec["arm"], status=f"timed out after {timeout} s")
     found = [l for l in r.stdout.splitlines() if l.startswith(ARM_RESULT_PREFIX)]
     if found: return json.loads(found[-1][len(ARM_RESULT_PREFIX):])
-    tail = (r.stderr or r.stdout).strip()[-600:]
-    status = "out of memory" if "out of memory" in tail.lower() else f"failed (exit {r.returncode}): {tail}"
-    return dict(arm=spec["arm"], status=status)
+    return dict(arm=spec["arm"], status=process_failure(r.returncode, r.stderr or r.stdout))
+
+def process_failure(returncode, output):
+    "The status of an arm process that ended without a result."
+    tail = output.strip()[-600:]
+    return "out of memory" if "out of memory" in tail.lower() else f"failed (exit {returncode}): {tail}"
+
+def arm_worker_main(spec_json):
+    """Entry point of a kept arm's process: build and warm up, print one result line (`ready` or a failure), then
+    one measurement line for every line read from stdin, until stdin closes."""
+    spec = json.loads(spec_json)
+    try: run, failure = ArmRun(spec), None
+    except Exception as e: run, failure = None, arm_failure(spec, e)
+    print(ARM_RESULT_PREFIX + json.dumps(failure or dict(arm=spec["arm"], ready=True, compile_s=run.compile_s)), flush=True)
+    for _ in sys.stdin:
+        if run is not None:
+            try: reply = run.measure()
+            except Exception as e: run, failure = None, arm_failure(spec, e)
+        print(ARM_RESULT_PREFIX + json.dumps(failure or reply), flush=True)
+
+class KeptArm:
+    "One arm in a process of its own that stays up: `reply` waits for its next result line, `measure` asks for one."
+    def __init__(self, spec):
+        self.spec, self.lines, self.stderr = spec, queue.Queue(), tempfile.TemporaryFile(mode="w+")
+        code = "import sys; from rtrainer.profiling import arm_worker_main; arm_worker_main(sys.argv[1])"
+        self.proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(spec)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.stderr, text=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            if line.startswith(ARM_RESULT_PREFIX): self.lines.put(json.loads(line[len(ARM_RESULT_PREFIX):]))
+        self.lines.put(None)                       # the process ended
+
+    def reply(self, timeout=None):
+        try: res = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            self.close(); return dict(arm=self.spec["arm"], status=f"timed out after {timeout} s")
+        if res is None:
+            self.proc.wait(); self.stderr.seek(0)
+            return dict(arm=self.spec["arm"], status=process_failure(self.proc.returncode, self.stderr.read()))
+        return res
+
+    def measure(self, timeout=None):
+        if self.proc.poll() is None:
+            try: self.proc.stdin.write("measure\n"); self.proc.stdin.flush()
+            except OSError: pass                   # it just died: reply() reports how
+        return self.reply(timeout)
+
+    def close(self):
+        if self.proc.poll() is None: self.proc.kill()
+        self.proc.wait(); self.stderr.close()
+
+class KeptArms:
+    """Every arm of one comparison in a process of its own, kept for all its rounds: the processes build, compile and
+    warm up at the same time (compilation is host work, and runs in parallel), then the rounds time them one by one
+    while the others wait. An arm that failed to build reports that failure in every round."""
+    def __init__(self, specs, timeout=None):
+        self.timeout, self.arms, self.failed = timeout, {}, {}
+        try:
+            for arm, spec in specs.items(): self.arms[arm] = KeptArm(spec)
+            for arm, kept in self.arms.items():
+                res = kept.reply(timeout)
+                if not res.get("ready"): self.failed[arm] = res
+        except BaseException: self.close(); raise
+
+    def measure(self, arm):
+        if arm in self.failed: return self.failed[arm]
+        res = self.arms[arm].measure(self.timeout)
+        if self.arms[arm].proc.poll() is not None: self.failed[arm] = res   # died or timed out: so it stays
+        return res
+
+    def close(self):
+        for kept in self.arms.values(): kept.close()
 
 # %% ../nbs/07_profiling.ipynb #b4671091
 def versus(config="tiny", tiers=("eager", "default"), rounds=3, steps=10, warmup=3, batch_size=None, seq_len=None,
-           peak_tflops=None, save=True, timeout=None, log=print, isolate=True, cuda_graph=False, save_as=None, **overrides):
+           peak_tflops=None, save=True, timeout=None, log=print, isolate=True, cuda_graph=False, save_as=None, keep_arms=False,
+           **overrides):
     """rtrainer against the plain PyTorch baseline tiers, alternated; returns (summary rows, raw results). isolate=False: arms
     in this process (CPU demos only). cuda_graph: an "rtrainer-graph" arm (the trainer with --cuda-graph) leads, and the
     ratios are its own against every other arm, the eager trainer's included. save_as: the results' name (default
-    versus_CONFIG), so that a run of other tiers does not replace the record of these."""
+    versus_CONFIG), so that a run of other tiers does not replace the record of these. keep_arms: each arm's process
+    lives through all rounds of a batch size, built and warmed up once, all arms at the same time (small shapes only:
+    every arm's memory is held at once)."""
     bad = [t for t in tiers if t not in TIERS]
     if bad: raise ValueError(f"versus: unknown tiers {bad}; choose from {list(TIERS)}")
     if save_as is not None and (not save_as or Path(save_as).name != save_as or save_as.startswith(".")):
         raise ValueError(f"versus: save_as must be a plain file name (it goes in data/results/), got {save_as!r}")
+    if keep_arms and not isolate: raise ValueError("versus: keep_arms keeps each arm in a process of its own; it needs isolate=True")
     seq_len = seq_len or (1024 if config in REFERENCE_BATCH else 64)
     batch_sizes = list(batch_size) if isinstance(batch_size, (list, tuple)) else [batch_size or REFERENCE_BATCH.get(config, 8)]
     if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
@@ -702,10 +792,13 @@ def versus(config="tiny", tiers=("eager", "default"), rounds=3, steps=10, warmup
     for B in batch_sizes:             # each batch size a whole alternated comparison; an OOM arm is a row, not an end
         base = dict(config=config, overrides=overrides, batch_size=B, seq_len=seq_len, warmup=warmup, steps=steps, peak_tflops=peak)
         results = raw[B] = {a: [] for a in arms}
+        kept, r = None, -1
         try:
+            if keep_arms: kept = KeptArms({arm: dict(base, arm=arm) for arm in arms}, timeout=timeout)
             for r in range(rounds):
                 for arm in alternation(arms, r):
-                    res = run_arm_process(dict(base, arm=arm), timeout=timeout) if isolate else run_arm(dict(base, arm=arm))
+                    spec = dict(base, arm=arm)
+                    res = kept.measure(arm) if kept else run_arm_process(spec, timeout=timeout) if isolate else run_arm(spec)
                     results[arm].append(res)
                     memory = f", peak {res['peak_memory_gib']:.1f} GiB" if res.get("peak_memory_gib") is not None else ""
                     tables = f", optimizer tables rebuilt {res['optimizer_table_builds']}" if res.get("optimizer_table_builds") else ""
@@ -713,21 +806,27 @@ def versus(config="tiny", tiers=("eager", "default"), rounds=3, steps=10, warmup
                             if res.get("tokens_per_s") else res.get("status"))
                     log(f"B={B} round {r + 1} {arm}: {what}")
         except KeyboardInterrupt:          # Ctrl-C or a time limit: the arms that finished are summarized and kept
-            interrupted = f"interrupted at B={B} in round {r + 1} of {rounds}"
+            interrupted = f"interrupted at B={B} " + (f"in round {r + 1} of {rounds}" if r >= 0 else "while its arms were built")
             log(f"versus: {interrupted}; summarizing the arms that finished")
+        finally:
+            if kept: kept.close()
         for a in arms:
             c = next((x.get("census") for x in results[a] if x.get("census")), None)
             if c: log(f"dtypes {a}: parameters {c['params']}, gradients {c.get('grads')}, moments {c.get('moments')}")
         rows = summarize_pairs(arms, results, arms[0])
         for row in rows: row.update(config=config, batch_size=B, seq_len=seq_len, peak_tflops=peak)
         print_summary(rows, f"versus {config} B={B} T={seq_len}: {rounds} rounds of {steps} steps after {warmup} warm-up steps"
-                            f" (MFU against {peak or 'no'} TFLOP/s){', ' + interrupted if interrupted else ''}")
+                            f" (MFU against {peak or 'no'} TFLOP/s)"
+                            f"{', ' + interrupted if interrupted else ''}")
         all_rows += rows
         if interrupted: break
     results = raw[batch_sizes[0]] if len(batch_sizes) == 1 else raw
     if save:   # an interrupted run is kept beside the complete record, never over it
         name = (save_as or f"versus_{config}") + ("_interrupted" if interrupted else "")
-        log(f"saved {save_results(name, all_rows, raw=results, **({'interrupted': interrupted} if interrupted else {}))}")
+        method = ("each arm one process per batch size, kept for all rounds; the processes build and warm up together, then"
+                  " the rounds time one arm at a time" if keep_arms else "each arm a fresh process per round" if isolate
+                  else "every arm in one process")
+        log(f"saved {save_results(name, all_rows, raw=results, method=method, **({'interrupted': interrupted} if interrupted else {}))}")
     if interrupted: raise KeyboardInterrupt(interrupted)
     return all_rows, results
 
@@ -862,7 +961,7 @@ def run_versus(args):
     batch = parse_batches(args.batches) if args.batches else args.batch_size
     versus(args.config, tuple(t.strip() for t in args.tiers.split(",") if t.strip()), args.rounds, args.steps, args.warmup,
            batch, args.seq_len, args.peak_tflops, save=not args.no_save, timeout=args.timeout, cuda_graph=args.cuda_graph,
-           save_as=args.save_as)
+           save_as=args.save_as, keep_arms=args.keep_arms)
     return 0
 
 def run_sweep_arch(args):

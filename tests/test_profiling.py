@@ -236,3 +236,34 @@ def test_versus_batches_keeps_an_out_of_memory_row(tmp_path, monkeypatch):
     assert by[(4, "eager")]["status"] == "out of memory" and "tokens_per_s" not in by[(4, "eager")]
     for bad in (["--batches", "16,x"], ["--batches", "0"], ["--batches", "16", "--batch-size", "8"]):
         with pytest.raises(ValueError, match="--batch"): prof.run_versus(p.parse_args(["--config", "tiny", *bad]))
+
+def test_versus_kept_arms_build_once_and_time_every_round():
+    "--keep-arms: one process per arm and batch size, built once (the same compile time in every round), timed each round."
+    rows, raw = versus("tiny", tiers=("eager",), rounds=3, steps=2, warmup=1, batch_size=[1, 3], seq_len=16, save=False,
+                       keep_arms=True, log=lambda *a: None, vocab_size=SMALL_VOCAB)
+    assert sorted(raw) == [1, 3] and [r["batch_size"] for r in rows] == [1, 1, 3, 3]
+    for B, results in raw.items():
+        for arm in ("rtrainer", "eager"):
+            runs = results[arm]
+            assert len(runs) == 3 and all(r["tokens_per_s"] > 0 and r["batch_size"] == B for r in runs)
+            assert len({r["compile_s"] for r in runs}) == 1            # one build and warm-up, not one per round
+            assert all(math.isfinite(r["final_loss"]) for r in runs)
+    by = {(r["batch_size"], r["arm"]): r for r in rows}
+    assert by[(3, "eager")]["rounds"] == 3 and by[(3, "eager")]["ci95_low"] <= by[(3, "eager")]["rtrainer/arm"] <= by[(3, "eager")]["ci95_high"]
+
+def test_versus_kept_arm_that_cannot_build_fails_every_round_and_ends():
+    from rtrainer.profiling import KeptArms
+    spec = dict(arm="eager", config="tiny", overrides=dict(n_heads=5), batch_size=1, seq_len=16, warmup=1, steps=1)  # 5 heads: invalid
+    kept = KeptArms({"eager": spec, "rtrainer": dict(spec, arm="rtrainer")})
+    try:
+        first, second = kept.measure("eager"), kept.measure("eager")
+        assert first == second and "tokens_per_s" not in first and first["status"].startswith("failed")
+    finally: kept.close()
+    assert all(k.proc.poll() is not None for k in kept.arms.values())
+    with pytest.raises(ValueError, match="keep_arms"): versus("tiny", keep_arms=True, isolate=False)
+
+def test_kept_arm_timeout_kills_it():
+    from rtrainer.profiling import KeptArm
+    kept = KeptArm(dict(arm="eager", config="tiny", overrides=dict(vocab_size=SMALL_VOCAB), batch_size=1, seq_len=16, warmup=1, steps=1))
+    res = kept.reply(timeout=0.01)                # no process imports torch in 10 ms
+    assert res["status"] == "timed out after 0.01 s" and kept.proc.poll() is not None
