@@ -271,12 +271,6 @@ def main(argv=None):
         if main_thread: signal.signal(signal.SIGTERM, before)
 
 # %% ../nbs/09_cli.ipynb #8004040d
-def _cpu_name():
-    "The CPU's model name (Linux), else the platform's word for it."
-    import platform
-    try: return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration): return platform.processor() or "CPU"
-
 def startup_commands():
     "{name: argv} of what `startup_times` runs: each command's `--help`, two refused flags, and the imports a run pays for."
     python, module = [sys.executable], [sys.executable, "-m", "rtrainer"]
@@ -327,6 +321,6 @@ def startup_times(repeats=5, save=True, names=None, note=""):
                  imports_torch=checks[name][0], exit_status=checks[name][1]) for name, argv in commands.items()]
     if save:
         from rtrainer.kernels import save_results    # imports torch, after the measurement
-        save_results("cli_startup", rows, device=f"{_cpu_name()} ({os.cpu_count()} cores)", repeats=repeats,
+        save_results("cli_startup", rows, repeats=repeats,     # the machine (device, cpu) as every record has it
                      load_average_1min=[round(load_before, 2), round(os.getloadavg()[0], 2)], note=note)
     return rows

@@ -67,6 +67,17 @@ def test_parsing_any_command_imports_neither_torch_nor_triton():
     assert json.loads(r.stdout) == []
 
 
+
+def test_startup_times_records_the_machine_as_every_record_does(tmp_path, monkeypatch):
+    "cli_startup.json's device and cpu are machine_metadata's, not overridden by the command line chapter."
+    from rtrainer import kernels
+    from rtrainer.cli import startup_times
+    monkeypatch.setattr(kernels, "RESULTS_DIR", tmp_path)
+    rows = startup_times(repeats=1, names=["python (empty program)"], note="test")
+    saved = json.loads((tmp_path / "cli_startup.json").read_text())
+    machine = kernels.machine_metadata()
+    assert (saved["device"], saved["cpu"]) == (machine["device"], machine["cpu"]) and saved["rows"] == rows
+
 def test_bare_rtrainer_prints_its_commands():
     r = subprocess.run(RTRAINER, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "prepare" in r.stdout and "generate" in r.stdout and "COMMAND --help" in r.stdout
