@@ -171,7 +171,7 @@ def add_train_arguments(p):
 
 def run_train(args):
     "Dispatch `rtrainer train`: torchrun launcher, distributed worker, or the plain trainer."
-    from rtrainer.settings import apply_run_file
+    from rtrainer.settings import apply_run_file, several_processes
     args = apply_run_file(args)                  # --config FILE fills what the flags left out
     if args.nproc < 1: raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
     if getattr(args, "ep", None):                 # expert parallelism: its chapter launches and runs the workers
@@ -182,7 +182,7 @@ def run_train(args):
         return launch_train(args)
     from rtrainer.export import init_from_checkpoint_file
     args = init_from_checkpoint_file(args)   # --init-from a transformers folder or an int8 export: converted to a checkpoint file
-    if "WORLD_SIZE" in os.environ or args.dp:
+    if several_processes(args):                   # --dp, or a torchrun worker (WORLD_SIZE set)
         from rtrainer.distributed import run_distributed_train
         return run_distributed_train(args)
     from rtrainer.training import run_train as run_single

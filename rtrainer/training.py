@@ -34,7 +34,7 @@ from .tokenization import (FolderLock, get_tokenizer, prepare_corpus, read_datas
                                    load_sft_jsonl, EOT_ID)
 from .kernels import git_commit
 from .settings import (BUNDLED_DATA, DEVICE_HELP, SHAPE_OVERRIDES, TrainConfig, apply_run_file,
-                               write_run_file, _flag)
+                               several_processes, write_run_file, _flag)
 from .matmul import IGNORE_INDEX
 from .moe import load_balance_weight
 import rtrainer.optimizer as optimizer_module
@@ -1034,9 +1034,7 @@ def train_config_from_args(args, log=print):
             moved = given["out_dir"] != str(base) and int(os.environ.get("RANK", 0)) == 0
     config = TrainConfig(**given).validate()
     device = resolve_device(config.device)
-    nproc, dp, ep = (getattr(args, k, None) for k in ("nproc", "dp", "ep"))
-    several = (nproc or 1) > 1 or bool(dp or ep) or int(os.environ.get("WORLD_SIZE", 1)) > 1   # the launcher or a torchrun worker
-    check_memory_budget(config, device, distributed=several)   # before any data is prepared or a run folder made
+    check_memory_budget(config, device, distributed=several_processes(args))   # before any data is prepared or a run folder made
     if device.type == "cpu":     # before any data is prepared or memory taken
         refuse_large_model_on_cpu(config.model, model_config_from_args(args, config.seq_len))
     if moved: log(f"{base} holds another run: this run writes to {config.out_dir} (--out-dir chooses)")
