@@ -171,8 +171,9 @@ def add_train_arguments(p):
 
 def run_train(args):
     "Dispatch `rtrainer train`: torchrun launcher, distributed worker, or the plain trainer."
-    from rtrainer.settings import apply_run_file, several_processes
+    from rtrainer.settings import apply_run_file, given_settings, several_processes
     args = apply_run_file(args)                  # --config FILE fills what the flags left out
+    given_settings(args)                         # a bad setting is one line now, before anything imports torch
     if args.nproc < 1: raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
     if getattr(args, "ep", None):                 # expert parallelism: its chapter launches and runs the workers
         from rtrainer.expert_parallel import run_expert_parallel_train

@@ -34,7 +34,7 @@ from .tokenization import (FolderLock, get_tokenizer, prepare_corpus, read_datas
                                    load_sft_jsonl, EOT_ID)
 from .kernels import git_commit
 from .settings import (BUNDLED_DATA, DEVICE_HELP, SHAPE_OVERRIDES, TrainConfig, apply_run_file,
-                               several_processes, write_run_file, _flag)
+                               given_settings, several_processes, write_run_file, _flag)
 from .matmul import IGNORE_INDEX
 from .moe import load_balance_weight
 import rtrainer.optimizer as optimizer_module
@@ -1018,10 +1018,7 @@ def free_run_folder(base):
 def train_config_from_args(args, log=print):
     """TrainConfig from parsed flags (unset flags keep their defaults). Without --out-dir a run writes to runs/MODEL, or
     runs/MODEL-2, -3, ... if that holds another run; a resumed run to the folder of the checkpoint it continues."""
-    if contradictions := getattr(args, "contradictions", None): raise ValueError(f"{contradictions[0]} contradict each other: give one")
-    apply_run_file(args)                      # --config FILE: every setting not given as a flag
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if getattr(args, f.name, None) is not None}
-    given["model"] = args.model
+    given = given_settings(args)              # flags over --config FILE, checked (the settings chapter)
     moved = False                             # the default folder was taken: say where this run writes instead
     if "out_dir" not in given:
         if given.get("resume") and not given.get("checkpoint_dir"):
