@@ -172,8 +172,9 @@ def add_train_arguments(p):
 
 def run_train(args):
     "Dispatch `rtrainer train`: torchrun launcher, distributed worker, or the plain trainer."
-    from rtrainer.settings import apply_run_file
+    from rtrainer.settings import apply_run_file, given_settings, several_processes
     args = apply_run_file(args)                  # --config FILE fills what the flags left out
+    given_settings(args)                         # a bad setting is one line now, before anything imports torch
     if args.nproc < 1: raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
     if getattr(args, "ep", None):                 # expert parallelism: its chapter launches and runs the workers
         from rtrainer.expert_parallel import run_expert_parallel_train
@@ -183,7 +184,7 @@ def run_train(args):
         return launch_train(args)
     from rtrainer.export import init_from_checkpoint_file
     args = init_from_checkpoint_file(args)   # --init-from a transformers folder or an int8 export: converted to a checkpoint file
-    if "WORLD_SIZE" in os.environ or args.dp:
+    if several_processes(args):                   # --dp, or a torchrun worker (WORLD_SIZE set)
         from rtrainer.distributed import run_distributed_train
         return run_distributed_train(args)
     from rtrainer.training import run_train as run_single
@@ -272,12 +273,6 @@ def main(argv=None):
         if main_thread: signal.signal(signal.SIGTERM, before)
 
 # %% ../nbs/09_cli.ipynb #8004040d
-def _cpu_name():
-    "The CPU's model name (Linux), else the platform's word for it."
-    import platform
-    try: return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration): return platform.processor() or "CPU"
-
 def startup_commands():
     "{name: argv} of what `startup_times` runs: each command's `--help`, two refused flags, and the imports a run pays for."
     python, module = [sys.executable], [sys.executable, "-m", "rtrainer"]
@@ -328,6 +323,6 @@ def startup_times(repeats=5, save=True, names=None, note=""):
                  imports_torch=checks[name][0], exit_status=checks[name][1]) for name, argv in commands.items()]
     if save:
         from rtrainer.kernels import save_results    # imports torch, after the measurement
-        save_results("cli_startup", rows, device=f"{_cpu_name()} ({os.cpu_count()} cores)", repeats=repeats,
+        save_results("cli_startup", rows, repeats=repeats,     # the machine (device, cpu) as every record has it
                      load_average_1min=[round(load_before, 2), round(os.getloadavg()[0], 2)], note=note)
     return rows

@@ -9,15 +9,14 @@ __all__ = ['MULTICAST_OFF', 'DIST_TIMEOUT_S', 'DDP_BUCKET_BYTES', 'WEIGHT_GRAD_O
            'DCP_DTYPES', 'DATA_WAIT_S', 'ERROR_FILE_ENV', 'ENGINE_LABELS', 'strip_nproc', 'torchrun_command',
            'worker_environment', 'launch_torchrun', 'launch_train', 'distributed_environment', 'init_distributed',
            'ShardableBlock', 'ShardableTransformerLm', 'local_tensor', 'ShardedAdamW', 'use_autograd_weight_grads',
-           'DistributedTrainer', 'checkpoint_metadata', 'file_crc32', 'dcp_index', 'dcp_metadata', 'JsonIndexWriter',
-           'write_dcp_checkpoint', 'JsonIndexReader', 'resolve_distributed_checkpoint', 'read_distributed_checkpoint',
+           'DistributedTrainer', 'file_crc32', 'dcp_index', 'dcp_metadata', 'JsonIndexWriter', 'write_dcp_checkpoint',
+           'JsonIndexReader', 'resolve_distributed_checkpoint', 'read_distributed_checkpoint',
            'prune_distributed_checkpoints', 'export_checkpoint', 'wait_for_bundled_data', 'run_distributed_train',
            'end_worker', 'main', 'throughput_flags', 'fraction_of_reference', 'engine_rows', 'benchmark_suite',
            'scaling_rows', 'scaling_suite', 'loss_curve_suite']
 
 # %% ../nbs/08_distributed.ipynb #f09253a6
 import argparse, dataclasses, datetime, functools, gc, json, math, os, re, shlex, shutil, signal, subprocess, sys, tempfile, threading, time, warnings, zlib
-from dataclasses import asdict
 from pathlib import Path
 import torch
 import torch.distributed as dist
@@ -30,8 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 try: from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
 except ImportError: from torch.distributed._composable.fsdp import fully_shard, MixedPrecisionPolicy
-import rtrainer
-from .kernels import get_op, gradient_fp32, git_commit, main_grad_for_write, mark_main_grad_written
+from .kernels import get_op, gradient_fp32, main_grad_for_write, mark_main_grad_written
 from .optimizer import AdamW, parameter_kind
 from .model import ModelConfig, TransformerLm, Block
 from .settings import DATA_PARALLEL, add_train_arguments
@@ -39,7 +37,7 @@ from .training import (Trainer, TrainConfig, NonFiniteLoss, Stopped, CHECKPOINT_
                                train_config_from_args, model_config_from_args, ensure_bundled_data, read_checkpoint,
                                check_same_shape, atomic_save_safetensors, device_peak_tflops, BUNDLED_DATA, compare_loss_curves,
                                check_checkpoint_metadata, check_tensors_match_config, metadata_digest, seal_metadata,
-                               non_finite_tensor)
+                               non_finite_tensor, checkpoint_metadata)
 
 # %% ../nbs/08_distributed.ipynb #7b17f95b
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -514,13 +512,6 @@ DCP_INDEX_NAME = "index.json"                 # DCP's index of a sharded checkpo
 DCP_INDEX_FORMAT = "rtrainer-dcp-index-1"
 DCP_DTYPES = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float16", "float64", "uint8", "int32", "int64")}
 _DCP_FILE = re.compile(r"__\d+_\d+\.distcp")
-
-def checkpoint_metadata(model_config, optimizer, step, train_config=None, extra=None):
-    "The metadata dict of a checkpoint (the same keys as training.save_checkpoint writes)."
-    return dict(format=CHECKPOINT_FORMAT, step=step, model_config=model_config.to_dict(),
-                optimizer=optimizer.hyperparameters(), train=asdict(train_config) if train_config else None,
-                data=dict(seed=train_config.seed, next_step=step) if train_config else None,
-                rtrainer_version=rtrainer.__version__, commit=git_commit()) | (extra or {})
 
 def _atomic_write_text(path, text):
     path = Path(path); tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"

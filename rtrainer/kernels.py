@@ -14,10 +14,10 @@ __all__ = ['OPS', 'PROJECT_ROOT', 'RESULTS_DIR', 'T_QUANTILE_975', 'INTERPRETING
            'resolve_impl', 'get_op', 'at_least_fp32', 'rms_norm_reference', 'add_rms_norm_reference', 'rope_tables',
            'rope_reference', 'swiglu_reference', 'embedding_reference', 'start_gradient_step', 'main_grad_for_write',
            'mark_main_grad_written', 'weight_grad_buffer', 'finish_weight_grad', 'accumulate_main_grad',
-           'gradient_fp32', 'enqueue_ms', 'median_ms', 'sustained_ms', 'peak_bytes', 'git_commit', 'machine_metadata',
-           'save_results', 'load_results', 'results_caption', 'show_results', 't_quantile_975', 'ratio_interval',
-           'spread', 'alternation', 'plot_ratios', 'check_kernel_device', 'vecadd_kernel', 'vecadd', 'relative_error',
-           'check_close', 'time_ms', 'benchmark_row', 'bench_vecadd', 'rms_norm_forward_kernel',
+           'gradient_fp32', 'enqueue_ms', 'median_ms', 'sustained_ms', 'peak_bytes', 'git_commit', 'cpu_description',
+           'machine_metadata', 'save_results', 'load_results', 'results_caption', 'show_results', 't_quantile_975',
+           'ratio_interval', 'spread', 'alternation', 'plot_ratios', 'check_kernel_device', 'vecadd_kernel', 'vecadd',
+           'relative_error', 'check_close', 'time_ms', 'benchmark_row', 'bench_vecadd', 'rms_norm_forward_kernel',
            'rms_norm_backward_kernel', 'as_rows', 'resident_programs', 'rms_norm_forward', 'rms_norm_backward',
            'RMSNormFunction', 'AddRMSNormFunction', 'rms_norm_triton', 'add_rms_norm_triton', 'register_op_example',
            'run_op_with_grads', 'check_op', 'rope_kernel', 'rope_apply', 'RoPEFunction', 'rope_triton',
@@ -249,8 +249,14 @@ def git_commit(root=None):
         return sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError): return "unknown"
 
+def cpu_description(cpuinfo="/proc/cpuinfo"):
+    "The CPU's model name and core count, 'AMD EPYC (2 cores)': from `cpuinfo` on Linux, else the platform's word; never fails."
+    try: name = next((l.split(":", 1)[1].strip() for l in Path(cpuinfo).read_text().splitlines() if l.startswith("model name")), "")
+    except (OSError, ValueError): name = ""
+    return f"{name or platform.processor() or 'CPU'} ({os.cpu_count()} cores)"
+
 def machine_metadata():
-    "Date, device, versions and commit: what every recorded figure carries."
+    "Date, device (the GPU, or 'CPU (N cores)'), the CPU's model, versions and commit: what every recorded figure carries."
     import triton
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 python=platform.python_version(), torch=torch.__version__, triton=triton.__version__,
@@ -259,6 +265,7 @@ def machine_metadata():
         meta.update(device=torch.cuda.get_device_name(), cuda=torch.version.cuda)
     else:
         meta.update(device=f"CPU ({os.cpu_count()} cores)")
+    meta["cpu"] = cpu_description()    # on a GPU machine too: the host feeds the GPU
     return meta
 
 def save_results(name, rows, **extra):

@@ -8,7 +8,7 @@ Docs: https://example.invalid/rtrainer/rtrainer/settings.html.md"""
 __all__ = ['BUNDLED_DATA', 'DEVICE_HELP', 'SWITCH', 'ON_SIGNAL', 'ACTIVATION_CHECKPOINTING', 'REFERENCE_LR', 'DEFAULT_LR',
            'DEVICE_NAME', 'SHAPE_OVERRIDES', 'DATA_PARALLEL', 'LAUNCH_SETTINGS', 'LAUNCH_DEFAULTS', 'RUN_FILE_NAME',
            'KINDS', 'setting', 'TrainConfig', 'check_device_name', 'add_train_arguments', 'setting_types',
-           'read_run_file', 'apply_run_file', 'run_file_text', 'write_run_file']
+           'read_run_file', 'apply_run_file', 'given_settings', 'several_processes', 'run_file_text', 'write_run_file']
 
 # %% ../nbs/05a_settings.ipynb #a5e0f003
 import argparse, dataclasses, importlib.util, json, math, numbers, os, re, tomllib
@@ -231,6 +231,20 @@ def apply_run_file(args):
     if "WORLD_SIZE" in os.environ: args.nproc = 1
     args.run_file_applied = True
     return args
+
+def given_settings(args):
+    """{TrainConfig field: value} that the flags and `--config FILE` give (flags win), checked as `TrainConfig.validate`
+    checks a run: contradictory flags or a bad value are one line here, before a command imports torch."""
+    if contradictions := getattr(args, "contradictions", None): raise ValueError(f"{contradictions[0]} contradict each other: give one")
+    apply_run_file(args)
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if getattr(args, f.name, None) is not None}
+    TrainConfig(**given).validate()
+    return given
+
+def several_processes(args):
+    "Whether a run with these flags has several processes: --nproc above 1, --dp, --ep, or a torchrun worker (WORLD_SIZE set)."
+    nproc, dp, ep = (getattr(args, k, None) for k in ("nproc", "dp", "ep"))
+    return (nproc or 1) > 1 or bool(dp or ep) or "WORLD_SIZE" in os.environ   # the launcher, or a torchrun worker
 
 def _toml_value(value):
     if isinstance(value, bool): return "true" if value else "false"

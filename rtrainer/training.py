@@ -9,15 +9,16 @@ __all__ = ['CHECKPOINT_FORMAT', 'LEGACY_CHECKPOINT_FORMATS', 'SHAPE_FIELDS', 'DA
            'M_MMAP_THRESHOLD', 'RUN_FILE', 'TENSORBOARD_FOLDER', 'RUN_LOCK', 'RESUME_MUST_MATCH', 'GRAPH_WARMUP_STEPS',
            'CPU_MAX_PARAMETERS', 'INIT_CHECKPOINT', 'resolve_device', 'read_manifest', 'data_fingerprint',
            'TrainingData', 'atomic_save_safetensors', 'remove_temporary_checkpoints', 'tensor_crc32', 'metadata_digest',
-           'non_finite_tensor', 'checkpoint_tensors', 'seal_metadata', 'save_checkpoint', 'resolve_checkpoint',
-           'parameter_shapes', 'check_tensors_match_config', 'check_checksums', 'check_checkpoint_metadata',
-           'read_checkpoint', 'check_same_shape', 'load_model_weights', 'prune_checkpoints', 'checkpoint_summary',
-           'device_peak_tflops', 'mfu', 'retain_freed_memory', 'host_memory_free', 'held_out_loss', 'NonFiniteLoss',
-           'Stopped', 'holds_run', 'fit_micro_batch', 'check_memory_budget', 'resolved', 'Trainer', 'load_model',
-           'side_stream', 'CapturedStep', 'compare_loss_curves', 'checkpoint_folder', 'free_run_folder',
-           'train_config_from_args', 'refuse_large_model_on_cpu', 'model_config_from_args', 'ensure_bundled_data',
-           'run_train', 'check_counts', 'run_eval', 'run_generate', 'initial_model', 'save_initial_checkpoint',
-           'run_init', 'measure_init_checkpoint']
+           'non_finite_tensor', 'checkpoint_tensors', 'seal_metadata', 'checkpoint_metadata', 'save_checkpoint',
+           'resolve_checkpoint', 'parameter_shapes', 'check_tensors_match_config', 'check_checksums',
+           'check_checkpoint_metadata', 'read_checkpoint', 'check_same_shape', 'load_model_weights',
+           'prune_checkpoints', 'checkpoint_summary', 'device_peak_tflops', 'mfu', 'retain_freed_memory',
+           'host_memory_free', 'held_out_loss', 'NonFiniteLoss', 'Stopped', 'holds_run', 'fit_micro_batch',
+           'check_memory_budget', 'resolved', 'Trainer', 'load_model', 'side_stream', 'CapturedStep',
+           'compare_loss_curves', 'checkpoint_folder', 'free_run_folder', 'train_config_from_args',
+           'refuse_large_model_on_cpu', 'model_config_from_args', 'ensure_bundled_data', 'run_train', 'check_counts',
+           'run_eval', 'run_generate', 'initial_model', 'save_initial_checkpoint', 'run_init',
+           'measure_init_checkpoint']
 
 # %% ../nbs/06_training.ipynb #9db08b8c
 import ctypes, dataclasses, hashlib, itertools, json, math, os, re, shutil, signal, statistics, sys, tempfile, threading, time, uuid, zlib
@@ -33,7 +34,7 @@ from .tokenization import (FolderLock, get_tokenizer, prepare_corpus, read_datas
                                    load_sft_jsonl, EOT_ID)
 from .kernels import git_commit
 from .settings import (BUNDLED_DATA, DEVICE_HELP, SHAPE_OVERRIDES, TrainConfig, apply_run_file,
-                               write_run_file, _flag)
+                               given_settings, several_processes, write_run_file, _flag)
 from .matmul import IGNORE_INDEX
 from .moe import load_balance_weight
 import rtrainer.optimizer as optimizer_module
@@ -194,16 +195,20 @@ def seal_metadata(meta, tensors):
     meta["checksums"] = {"tensors": {k: tensor_crc32(v) for k, v in sorted(tensors.items())}, "metadata": metadata_digest(meta)}
     return meta
 
+def checkpoint_metadata(model_config, optimizer, step, train_config=None, extra=None):
+    "A checkpoint's metadata at global `step`, one file or sharded: format, configs, optimizer, data position, version, commit."
+    meta = dict(format=CHECKPOINT_FORMAT, step=step, model_config=model_config.to_dict(),
+                optimizer=optimizer.hyperparameters(), train=asdict(train_config) if train_config else None,
+                data=dict(seed=train_config.seed, next_step=step) if train_config else None,
+                rtrainer_version=rtrainer.__version__, commit=git_commit())
+    return meta | (extra or {})   # a trainer's own data position (after --skip-batches) replaces the plain one
+
 def save_checkpoint(path, model, optimizer, step, train_config=None, extra=None, overwrite=False):
     """Save parameters, moments, RNG state and metadata (with checksums) at global `step` to `path` atomically. A NaN or
     an infinity in a parameter or a moment is refused (NonFiniteLoss), and so is an existing file unless `overwrite`."""
     tensors = {k: v.detach().contiguous().cpu() for k, v in checkpoint_tensors(model, optimizer).items()}
     if bad := non_finite_tensor(tensors): raise NonFiniteLoss(f"{bad} holds a NaN or an infinity at step {step}: not saved to {path}")
-    meta = dict(format=CHECKPOINT_FORMAT, step=step, model_config=model.config.to_dict(),
-                optimizer=optimizer.hyperparameters(), train=asdict(train_config) if train_config else None,
-                data=dict(seed=train_config.seed, next_step=step) if train_config else None,
-                rtrainer_version=rtrainer.__version__, commit=git_commit())
-    meta.update(extra or {})   # a trainer's own data position (after --skip-batches) replaces the plain one
+    meta = checkpoint_metadata(model.config, optimizer, step, train_config, extra)
     return atomic_save_safetensors(tensors, path, {"rtrainer": json.dumps(seal_metadata(meta, tensors), sort_keys=True)}, overwrite=overwrite)
 
 def resolve_checkpoint(path):
@@ -1013,10 +1018,7 @@ def free_run_folder(base):
 def train_config_from_args(args, log=print):
     """TrainConfig from parsed flags (unset flags keep their defaults). Without --out-dir a run writes to runs/MODEL, or
     runs/MODEL-2, -3, ... if that holds another run; a resumed run to the folder of the checkpoint it continues."""
-    if contradictions := getattr(args, "contradictions", None): raise ValueError(f"{contradictions[0]} contradict each other: give one")
-    apply_run_file(args)                      # --config FILE: every setting not given as a flag
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if getattr(args, f.name, None) is not None}
-    given["model"] = args.model
+    given = given_settings(args)              # flags over --config FILE, checked (the settings chapter)
     moved = False                             # the default folder was taken: say where this run writes instead
     if "out_dir" not in given:
         if given.get("resume") and not given.get("checkpoint_dir"):
@@ -1029,9 +1031,7 @@ def train_config_from_args(args, log=print):
             moved = given["out_dir"] != str(base) and int(os.environ.get("RANK", 0)) == 0
     config = TrainConfig(**given).validate()
     device = resolve_device(config.device)
-    nproc, dp, ep = (getattr(args, k, None) for k in ("nproc", "dp", "ep"))
-    several = (nproc or 1) > 1 or bool(dp or ep) or int(os.environ.get("WORLD_SIZE", 1)) > 1   # the launcher or a torchrun worker
-    check_memory_budget(config, device, distributed=several)   # before any data is prepared or a run folder made
+    check_memory_budget(config, device, distributed=several_processes(args))   # before any data is prepared or a run folder made
     if device.type == "cpu":     # before any data is prepared or memory taken
         refuse_large_model_on_cpu(config.model, model_config_from_args(args, config.seq_len))
     if moved: log(f"{base} holds another run: this run writes to {config.out_dir} (--out-dir chooses)")

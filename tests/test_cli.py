@@ -67,6 +67,35 @@ def test_parsing_any_command_imports_neither_torch_nor_triton():
     assert json.loads(r.stdout) == []
 
 
+
+def test_startup_times_records_the_machine_as_every_record_does(tmp_path, monkeypatch):
+    "cli_startup.json's device and cpu are machine_metadata's, not overridden by the command line chapter."
+    from rtrainer import kernels
+    from rtrainer.cli import startup_times
+    monkeypatch.setattr(kernels, "RESULTS_DIR", tmp_path)
+    rows = startup_times(repeats=1, names=["python (empty program)"], note="test")
+    saved = json.loads((tmp_path / "cli_startup.json").read_text())
+    machine = kernels.machine_metadata()
+    assert (saved["device"], saved["cpu"]) == (machine["device"], machine["cpu"]) and saved["rows"] == rows
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--steps", "-1"], "--steps must be positive, got -1"),
+    (["--lr", "-1"], "--lr must be positive (or 0 for the model's default), got -1.0"),
+    (["--cuda-graph", "--no-cuda-graph"], "--cuda-graph and --no-cuda-graph contradict each other: give one"),
+    (["--config", "RUN_FILE"], "--warmup must be >= 0, got -3")])
+def test_a_bad_setting_is_refused_before_torch_is_imported(tmp_path, flags, says):
+    "What TrainConfig.validate refuses, from a flag or a run file, is one line and exit 2 from a process that never imported torch."
+    run = tmp_path / "run.toml"; run.write_text("warmup = -3\n")
+    argv = ["train", *[str(run) if f == "RUN_FILE" else f for f in flags], "--out-dir", str(tmp_path / "o")]
+    code = ("import sys\nfrom rtrainer.cli import main\n"
+            f"try: status = main({argv!r})\n"
+            "finally: print('torch imported:', 'torch' in sys.modules)\n"
+            "sys.exit(status)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == f"rtrainer train: error: {says}", r.stderr
+    assert r.stdout.strip() == "torch imported: False" and not (tmp_path / "o").exists()
+
 def test_bare_rtrainer_prints_its_commands():
     r = subprocess.run(RTRAINER, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "prepare" in r.stdout and "generate" in r.stdout and "COMMAND --help" in r.stdout

@@ -6,13 +6,14 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from rtrainer.cli import main
-from rtrainer.distributed import checkpoint_metadata, write_dcp_checkpoint
+from rtrainer.distributed import write_dcp_checkpoint
 from rtrainer.export import (checkpoint_kind, read_any_checkpoint, export_file, export_hf, read_hf_folder, quantize_int8,
                              dequantize_int8, quantize_weights, rtrainer_logits, hf_architecture, to_rotate_half, from_rotate_half)
 from rtrainer.model import ModelConfig, TransformerLm, model_config, generate
 from rtrainer.optimizer import AdamW
 from rtrainer.tokenization import prepare_corpus, get_tokenizer
-from rtrainer.training import Trainer, TrainConfig, TrainingData, save_checkpoint, read_checkpoint, load_model, seal_metadata
+from rtrainer.training import (Trainer, TrainConfig, TrainingData, checkpoint_metadata, save_checkpoint, read_checkpoint, load_model,
+                               seal_metadata)
 
 RTRAINER = [sys.executable, "-m", "rtrainer"]
 MOE = dict(shared_expert=False, moe_layers=(), moe_dispatch="dropless")     # what MixtralForCausalLM computes

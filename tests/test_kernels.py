@@ -149,6 +149,20 @@ def _cli(*argv):
     from rtrainer.cli import main
     return main(list(argv))
 
+def test_machine_metadata_names_the_cpu(tmp_path, monkeypatch):
+    "Every record carries the CPU's model and cores (`cpu`); without /proc/cpuinfo, the platform's word, and never an error."
+    import os
+    cores = f"({os.cpu_count()} cores)"
+    info = tmp_path / "cpuinfo"; info.write_text("processor\t: 0\nvendor_id\t: Test\nmodel name\t: Test CPU 9000\n")
+    assert K.cpu_description(info) == f"Test CPU 9000 {cores}"
+    monkeypatch.setattr(K.platform, "processor", lambda: "")
+    assert K.cpu_description(tmp_path / "missing") == f"CPU {cores}"
+    info.write_bytes(b"model name\t: \xff\xfe\n")                     # unreadable as text
+    assert K.cpu_description(info) == f"CPU {cores}"
+    meta = K.machine_metadata()
+    assert meta["cpu"].endswith(cores) and (torch.cuda.is_available() or meta["device"] == f"CPU {cores}")
+
+
 def test_doctor_exits_zero(capsys):
     assert _cli("doctor", "--size", "1001") == 0
     out = capsys.readouterr().out

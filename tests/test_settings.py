@@ -1,5 +1,6 @@
 "Settings chapter: a run described by a file (--config run.toml), the file every run writes, and flags over the file."
-import json
+import argparse, json
+import pytest
 from rtrainer.cli import main
 
 SMALL = ["--data", "synthetic", "--steps", "6", "--batch-size", "2", "--seq-len", "16", "--vocab-size", "512", "--log-every", "2",
@@ -61,3 +62,25 @@ def test_a_run_file_takes_the_memory_budget(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
     run.write_text('memory_budget = "lots"\n')
     assert cli("train", "--config", run, "--out-dir", tmp_path / "o") == 2 and "memory_budget must be a number" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, world_size, several", [
+    ([], None, False), (["--nproc", "1"], None, False), (["--nproc", "2"], None, True), (["--dp", "ddp"], None, True),
+    (["--ep"], None, True), ([], "2", True), ([], "1", True)])
+def test_several_processes_from_the_flags_and_the_environment(argv, world_size, several, monkeypatch):
+    "One answer to 'does this run have several processes': --nproc above 1, --dp, --ep, or a torchrun worker (WORLD_SIZE set)."
+    from rtrainer.settings import add_train_arguments, apply_run_file, several_processes
+    if world_size: monkeypatch.setenv("WORLD_SIZE", world_size)
+    else: monkeypatch.delenv("WORLD_SIZE", raising=False)
+    p = argparse.ArgumentParser(); add_train_arguments(p)
+    assert several_processes(p.parse_args(argv)) is several and several_processes(apply_run_file(p.parse_args(argv))) is several
+
+
+def test_the_trainer_settings_ask_the_same_question(tmp_path, monkeypatch):
+    "A torchrun worker of one process runs the distributed trainer: --memory-budget is refused as a several-process run's."
+    from rtrainer.settings import add_train_arguments
+    from rtrainer.training import train_config_from_args
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    p = argparse.ArgumentParser(); add_train_arguments(p)
+    args = p.parse_args(["--memory-budget", "10", "--data", "synthetic", "--device", "cpu", "--out-dir", str(tmp_path / "o")])
+    with pytest.raises(ValueError, match="--memory-budget runs in one process"): train_config_from_args(args)

@@ -45,6 +45,17 @@ def test_checkpoint_round_trip_is_exact(tmp_path):
     assert all(k in meta for k in ["optimizer", "train", "data", "rtrainer_version", "commit"])
 
 
+
+def test_one_helper_makes_the_metadata_of_every_checkpoint(tmp_path):
+    "save_checkpoint writes what training.checkpoint_metadata makes, `extra` included; the sharded trainer uses the same one."
+    from rtrainer import distributed
+    t = Trainer(cfg(tmp_path, steps=1), model_config("tiny"), log=quiet); t.run()
+    extra = dict(data=dict(seed=7, next_step=9), run_id="r1")
+    _, meta = read_checkpoint(save_checkpoint(tmp_path / "a.safetensors", t.model, t.optimizer, t.step, t.cfg, extra=extra))
+    made = json.loads(json.dumps(training.checkpoint_metadata(t.model.config, t.optimizer, t.step, t.cfg, extra), default=list))
+    assert {k: v for k, v in meta.items() if k != "checksums"} == made and made["data"] == extra["data"] and made["step"] == 1
+    assert distributed.checkpoint_metadata is training.checkpoint_metadata
+
 def test_resume_is_bit_exact_with_accumulation(tmp_path):
     def run(steps, out, resume=""):
         t = Trainer(cfg(tmp_path, steps=steps, decay_steps=6, accumulation=2, out_dir=str(tmp_path / out), resume=resume),
