@@ -832,7 +832,7 @@ def versus(config="tiny", tiers=("eager", "default"), rounds=3, steps=10, warmup
 
 # %% ../nbs/07_profiling.ipynb #a945d0df
 def sweep_arch(config, batch_size=None, seq_len=None, warmup=2, steps=1, peak_tflops=None, log=print, isolate=True, **overrides):
-    "Step time, peak memory, tokens/s, MFU and days for 50B tokens of one configuration (own process); the result dict."
+    "Step time, peak memory, tokens/s, MFU and days for 50B tokens of one configuration (own process); the result dict, with its shape and counts."
     seq_len = seq_len or (1024 if config in REFERENCE_BATCH else 64)
     batch_size = batch_size or REFERENCE_BATCH.get(config, 8)
     peak = resolve_peak_tflops(peak_tflops, warn=log)
@@ -842,6 +842,7 @@ def sweep_arch(config, batch_size=None, seq_len=None, warmup=2, steps=1, peak_tf
     res = run_arm_process(spec) if isolate else run_arm(spec)
     c = model_config(config, **overrides)
     pc = parameter_counts(c)
+    res.update(parameters=pc["total"], active=pc["active"], d_model=c.d_model, n_layers=c.n_layers)   # the shape it measured
     log(f"{config} {overrides or ''}: {pc['total'] / 1e6:.1f}M parameters ({pc['active'] / 1e6:.1f}M active), B={batch_size} T={seq_len}")
     if res.get("tokens_per_s"):
         res["days_50b"] = days_for_tokens(res["tokens_per_s"])
@@ -871,9 +872,8 @@ def sweep_arch_suite(variants=SWEEP_ARCH_VARIANTS, warmup=3, steps=3, save=True,
     rows = []
     for name, preset, overrides in variants:
         res = sweep_arch(preset, warmup=warmup, steps=steps, log=log, **overrides, **kw)
-        c = model_config(preset, **overrides); counts = parameter_counts(c)
-        rows.append(dict(name=name, config=preset, overrides=overrides, parameters=counts["total"], active=counts["active"],
-                         d_model=c.d_model, n_layers=c.n_layers, aspect=c.d_model / c.n_layers,
+        rows.append(dict(name=name, config=preset, overrides=overrides, parameters=res["parameters"], active=res["active"],
+                         d_model=res["d_model"], n_layers=res["n_layers"], aspect=res["d_model"] / res["n_layers"],
                          batch_size=res.get("batch_size"), seq_len=res.get("seq_len"), status=res.get("status", "ok"),
                          **{k: res.get(k) for k in ("step_ms", "peak_memory_gib", "tokens_per_s", "mfu", "days_50b")}))
     if save: save_results("sweep_arch", rows, method=f"sweep_arch per variant in its own process: {warmup} warm-up steps, then {steps} timed eager steps")
