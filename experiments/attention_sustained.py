@@ -4,7 +4,8 @@ behind an idle spin kernel, as attention_hopper_bench.py times them) and by `sus
 for about SECONDS, the rate of a training loop at the power limit) and by replaying a CUDA graph of the step back to
 back for as long (no host work between calls, as the trainer's captured step), ROUNDS alternated rounds in one
 process, 95% intervals on the paired ratios; and each arm's host time to enqueue one step. Run on the GPU: `python experiments/attention_sustained.py` (writes
-$OUT/attention_sustained.json when OUT is set)."""
+$OUT/attention_sustained.json when OUT is set, with a timeline of every timed window; stage `attention-sustained` logs
+the SM clock and power beside it in $OUT/gpu_clocks.csv)."""
 import json, os, statistics, sys, time
 import torch
 import triton
@@ -15,6 +16,7 @@ from rtrainer.kernels import median_ms, sustained_ms, enqueue_ms, ratio_interval
 
 ROUNDS = int(os.environ.get("ROUNDS", 3))
 SECONDS = float(os.environ.get("SECONDS", 0.5))
+TIMELINE = []   # (shape, arm, regime, start, end) in the host's wall-clock seconds: to line up with a clock and power log
 
 def graph_replay(step):
     "A function replaying one captured `step()` (warmed on a side stream first)."
@@ -39,9 +41,10 @@ def main():
         burst, sustained, graphed = {a: [] for a in arms}, {a: [] for a in arms}, {a: [] for a in arms}
         for r in range(ROUNDS):
             for a in alternation(arms, r):
-                burst[a].append(median_ms(arms[a]))
-                sustained[a].append(sustained_ms(arms[a], seconds=SECONDS))
-                graphed[a].append(sustained_ms(replays[a], seconds=SECONDS))
+                t0 = time.time(); burst[a].append(median_ms(arms[a]))
+                t1 = time.time(); sustained[a].append(sustained_ms(arms[a], seconds=SECONDS))
+                t2 = time.time(); graphed[a].append(sustained_ms(replays[a], seconds=SECONDS))
+                TIMELINE.extend([(name, a, "burst", t0, t1), (name, a, "sustained", t1, t2), (name, a, "graph", t2, time.time())])
         flops = 3.5 * attention_flops(B, H, T, hd)
         row = dict(shape=name, B=B, H=H, KV=KV, T=T, hd=hd, hopper_kernels=hopper.ENABLED, host_ms=host)
         for regime, times in (("burst", burst), ("sustained", sustained), ("graph", graphed)):
@@ -62,7 +65,7 @@ def main():
         payload = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
                        triton=triton.__version__, rounds=ROUNDS, seconds_per_sustained_run=SECONDS, rows=rows,
                        method=__doc__.split("\n\n")[0].replace("\n", " "),
-                       flop_convention="causal = half of 4*B*H*T^2*hd; forward + backward = 3.5x the forward")
+                       flop_convention="causal = half of 4*B*H*T^2*hd; forward + backward = 3.5x the forward", timeline=TIMELINE)
         with open(os.path.join(os.environ["OUT"], "attention_sustained.json"), "w") as f: json.dump(payload, f, indent=1)
 
 if __name__ == "__main__":
