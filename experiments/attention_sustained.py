@@ -68,6 +68,29 @@ def main():
                        flop_convention="causal = half of 4*B*H*T^2*hd; forward + backward = 3.5x the forward", timeline=TIMELINE)
         with open(os.path.join(os.environ["OUT"], "attention_sustained.json"), "w") as f: json.dump(payload, f, indent=1)
 
+def clock_summary(folder):
+    """Mean SM clock (MHz), power (W) and temperature of every (shape, regime, arm) window of a run, from FOLDER's
+    attention_sustained.json (its timeline) and gpu_clocks.csv (nvidia-smi every 50 ms, same host clock); the first
+    0.1 s of each window is skipped. Runs on any machine: `python experiments/attention_sustained.py --clocks FOLDER`."""
+    import datetime
+    run = json.load(open(os.path.join(folder, "attention_sustained.json")))
+    samples = []
+    for line in open(os.path.join(folder, "gpu_clocks.csv")):
+        parts = [p.strip() for p in line.split(",")]
+        try: stamp = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").replace(tzinfo=datetime.timezone.utc)
+        except (ValueError, IndexError): continue       # a line nvidia-smi wrote otherwise
+        samples.append((stamp.timestamp(), *map(float, parts[1:4])))
+    windows = {}
+    for shape, arm, regime, start, end in run["timeline"]:
+        windows.setdefault((shape, regime, arm), []).extend(s for s in samples if start + 0.1 <= s[0] <= end)
+    rows = [dict(shape=shape, regime=regime, arm=arm, samples=len(got), sm_clock_mhz=statistics.fmean(s[1] for s in got),
+                 power_w=statistics.fmean(s[2] for s in got), temperature_c=statistics.fmean(s[3] for s in got))
+            for (shape, regime, arm), got in windows.items() if got]
+    for r in rows: print(f"{r['shape']:10s} {r['regime']:10s} {r['arm']:6s} {r['sm_clock_mhz']:6.0f} MHz {r['power_w']:5.0f} W {r['samples']:4d} samples")
+    return rows
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--clocks"]:
+        print(json.dumps(clock_summary(sys.argv[2]), indent=1)); sys.exit()
     if not torch.cuda.is_available(): sys.exit("attention_sustained: needs a CUDA GPU")
     main()
