@@ -17,7 +17,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from .kernels import INTERPRETING
+from .kernels import INTERPRETING, launch
 from .attention import FAST_PATHS
 
 # %% ../nbs/02a_attention_hopper.ipynb #96fe558b
@@ -564,7 +564,7 @@ def hopper_forward(q, k, v, o=None, lse=None, tiles=None):
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device) if lse is None else lse
     n_pairs = triton.cdiv(T, 2 * block_m)
     programs = min(n_pairs * B * H, _sm_count(q.device.index))
-    hopper_forward_kernel[(programs,)](
+    launch(hopper_forward_kernel, (programs,),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(o, block_m), o, lse, *o.stride()[:3],
         H, T, H // k.shape[2], B * H, n_pairs, LOG2E / hd ** 0.5, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
         REGS=CONSUMER_REGS, num_warps=4)
@@ -580,7 +580,7 @@ def hopper_dq(do, q, k, v, o, lse, dq=None, delta=None, tiles=None):
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device) if delta is None else delta
     n_pairs = triton.cdiv(T, 2 * block_m)
     programs = min(n_pairs * B * H, _sm_count(q.device.index))
-    hopper_dq_kernel[(programs,)](
+    launch(hopper_dq_kernel, (programs,),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
         _descriptor(o, block_m), _descriptor(dq, block_m), lse, delta, dq, *dq.stride()[:3], H, T, H // k.shape[2], B * H,
         n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
@@ -598,7 +598,7 @@ def hopper_dkdv(do, q, k, v, lse, delta, dk=None, dv=None, tiles=None):
     dv = torch.empty_like(dk) if dv is None else dv
     n_pairs = triton.cdiv(T, 2 * block_n)
     programs = min(n_pairs * B * KV, _sm_count(q.device.index))
-    hopper_dkdv_kernel[(programs,)](
+    launch(hopper_dkdv_kernel, (programs,),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
         _descriptor(dk, block_n), _descriptor(dv, block_n), lse, delta, dk, dv, *dk.stride()[:3], H, KV, T, H // KV, B * KV,
         n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages,

@@ -6,18 +6,19 @@ Docs: https://example.invalid/rtrainer/rtrainer/kernels.html.md"""
 
 # %% auto #0
 __all__ = ['OPS', 'PROJECT_ROOT', 'RESULTS_DIR', 'T_QUANTILE_975', 'INTERPRETING', 'KERNELS_CAN_RUN', 'COPY_CEILING_GBPS',
-           'VECADD_BLOCK', 'VECADD_NUM_WARPS', 'TOLERANCE', 'RMS_NORM_BLOCK_ROWS', 'RMS_NORM_NUM_WARPS',
-           'RMS_NORM_BACKWARD_PROGRAMS_PER_SM', 'RMS_NORM_BACKWARD_BLOCK_ROWS', 'RMS_NORM_BACKWARD_NUM_WARPS',
-           'RMS_NORM_BACKWARD_PREFETCH', 'RMS_NORM_MAX_COLS', 'OP_EXAMPLES', 'SCALES', 'ROPE_BLOCK_ROWS',
-           'ROPE_NUM_WARPS', 'SWIGLU_BLOCK', 'SWIGLU_NUM_WARPS', 'EMBEDDING_BLOCK', 'EMBEDDING_NUM_WARPS',
-           'EMBEDDING_BACKWARD', 'EMBEDDING_BACKWARDS', 'BENCHMARKS', 'BENCHMARK_COLUMNS', 'NO_KERNELS', 'register_op',
-           'resolve_impl', 'get_op', 'at_least_fp32', 'rms_norm_reference', 'add_rms_norm_reference', 'rope_tables',
-           'rope_reference', 'swiglu_reference', 'embedding_reference', 'start_gradient_step', 'main_grad_for_write',
-           'mark_main_grad_written', 'weight_grad_buffer', 'finish_weight_grad', 'accumulate_main_grad',
-           'gradient_fp32', 'enqueue_ms', 'median_ms', 'sustained_ms', 'peak_bytes', 'git_commit', 'cpu_description',
-           'machine_metadata', 'save_results', 'load_results', 'results_caption', 'show_results', 't_quantile_975',
-           'ratio_interval', 'spread', 'alternation', 'plot_ratios', 'check_kernel_device', 'vecadd_kernel', 'vecadd',
-           'relative_error', 'check_close', 'time_ms', 'benchmark_row', 'bench_vecadd', 'rms_norm_forward_kernel',
+           'VECADD_BLOCK', 'VECADD_NUM_WARPS', 'TOLERANCE', 'LAUNCH_CACHE_LIMIT', 'LAUNCH_COUNTS', 'DIRECT_LAUNCHES',
+           'RMS_NORM_BLOCK_ROWS', 'RMS_NORM_NUM_WARPS', 'RMS_NORM_BACKWARD_PROGRAMS_PER_SM',
+           'RMS_NORM_BACKWARD_BLOCK_ROWS', 'RMS_NORM_BACKWARD_NUM_WARPS', 'RMS_NORM_BACKWARD_PREFETCH',
+           'RMS_NORM_MAX_COLS', 'OP_EXAMPLES', 'SCALES', 'ROPE_BLOCK_ROWS', 'ROPE_NUM_WARPS', 'SWIGLU_BLOCK',
+           'SWIGLU_NUM_WARPS', 'EMBEDDING_BLOCK', 'EMBEDDING_NUM_WARPS', 'EMBEDDING_BACKWARD', 'EMBEDDING_BACKWARDS',
+           'BENCHMARKS', 'BENCHMARK_COLUMNS', 'NO_KERNELS', 'register_op', 'resolve_impl', 'get_op', 'at_least_fp32',
+           'rms_norm_reference', 'add_rms_norm_reference', 'rope_tables', 'rope_reference', 'swiglu_reference',
+           'embedding_reference', 'start_gradient_step', 'main_grad_for_write', 'mark_main_grad_written',
+           'weight_grad_buffer', 'finish_weight_grad', 'accumulate_main_grad', 'gradient_fp32', 'enqueue_ms',
+           'median_ms', 'sustained_ms', 'peak_bytes', 'git_commit', 'cpu_description', 'machine_metadata',
+           'save_results', 'load_results', 'results_caption', 'show_results', 't_quantile_975', 'ratio_interval',
+           'spread', 'alternation', 'plot_ratios', 'check_kernel_device', 'vecadd_kernel', 'vecadd', 'relative_error',
+           'check_close', 'time_ms', 'benchmark_row', 'bench_vecadd', 'launch_key', 'launch', 'rms_norm_forward_kernel',
            'rms_norm_backward_kernel', 'as_rows', 'resident_programs', 'rms_norm_forward', 'rms_norm_backward',
            'RMSNormFunction', 'AddRMSNormFunction', 'rms_norm_triton', 'add_rms_norm_triton', 'register_op_example',
            'run_op_with_grads', 'check_op', 'rope_kernel', 'rope_apply', 'RoPEFunction', 'rope_triton',
@@ -30,7 +31,7 @@ __all__ = ['OPS', 'PROJECT_ROOT', 'RESULTS_DIR', 'T_QUANTILE_975', 'INTERPRETING
            'run_bench', 'kernel_knobs', 'parse_variants', 'knob_values', 'run_sweep']
 
 # %% ../nbs/01_kernels.ipynb #127953a0
-import datetime, json, math, os, platform, statistics, subprocess, sys, time, warnings
+import datetime, inspect, json, math, os, platform, statistics, subprocess, sys, time, warnings
 from contextlib import contextmanager
 from pathlib import Path
 import torch
@@ -442,6 +443,61 @@ def bench_vecadd(size, dtype=torch.bfloat16, device="cuda", compare_compile=True
     compiled = torch.compile(torch.add, dynamic=False) if compare_compile else None
     return [benchmark_row("vecadd", size, dtype, 3 * n * a.element_size(), lambda: vecadd(a, b, out=out),
                           (lambda: compiled(a, b)) if compiled else None, passes="fwd")]
+
+# %% ../nbs/01_kernels.ipynb #5e1a7c02
+LAUNCH_CACHE_LIMIT = 1024   # compiled launches kept, all kernels together (cleared when full)
+_LAUNCHES = {}
+LAUNCH_COUNTS = {"direct": 0, "bound": 0}   # launches by path (tests check that the direct one ran)
+DIRECT_LAUNCHES = True      # False: every launch through Triton's binding (experiments measure both)
+
+class _NoKey(Exception): pass
+
+def _arg_key(a):
+    "What of a kernel argument a compiled launch may depend on, or more; raises _NoKey for a type it does not know."
+    if isinstance(a, torch.Tensor): return a.dtype, a.data_ptr() % 16 == 0
+    if a is None or isinstance(a, (bool, int, float, str)): return type(a), a      # type keeps True apart from 1
+    base = getattr(a, "base", None)
+    if isinstance(base, torch.Tensor) and hasattr(a, "block_shape"):              # a TMA tensor descriptor
+        return (base.dtype, base.data_ptr() % 16 == 0, tuple(a.shape), tuple(a.strides), tuple(a.block_shape),
+                getattr(a, "layout", None), getattr(a, "padding", None))
+    raise _NoKey
+
+def launch_key(kernel, device, args, kwargs):
+    "The cache key of `kernel[grid](*args, **kwargs)` on `device`: the kernel, the device, every argument's key; None if one has none."
+    try: return kernel, device, tuple(map(_arg_key, args)), tuple(kwargs.items())
+    except _NoKey: return None
+
+def _constant_tail(kernel, n_args, kwargs):
+    """The kernel's parameters after the first `n_args`, in signature order, from `kwargs` or their defaults; None if
+    one is not a constexpr (a tensor or number passed by keyword)."""
+    tail = []
+    for p in list(inspect.signature(kernel.fn).parameters.values())[n_args:]:
+        if "constexpr" not in str(p.annotation): return None
+        tail.append(kwargs[p.name] if p.name in kwargs else p.default)
+    return tuple(tail)
+
+def launch(kernel, grid, *args, **kwargs):
+    """`kernel[grid](*args, **kwargs)` for a @triton.jit or Gluon kernel and a tuple grid, through the compiled launcher
+    cached for these arguments' key (see above); returns nothing."""
+    if (not DIRECT_LAUNCHES or INTERPRETING or callable(grid) or not isinstance(kernel, triton.runtime.jit.JITFunction)
+            or triton.knobs.runtime.launch_enter_hook is not None):
+        kernel[grid](*args, **kwargs); LAUNCH_COUNTS["bound"] += 1; return
+    device = torch.cuda.current_device()
+    key = launch_key(kernel, device, args, kwargs)
+    try: entry = _LAUNCHES.get(key) if key is not None else None
+    except TypeError: key = entry = None                                            # an unhashable keyword value
+    if entry is None:
+        compiled = kernel[grid](*args, **kwargs); LAUNCH_COUNTS["bound"] += 1
+        tail = _constant_tail(kernel, len(args), kwargs)
+        if key is not None and tail is not None and compiled is not None:
+            if len(_LAUNCHES) >= LAUNCH_CACHE_LIMIT: _LAUNCHES.clear()
+            _LAUNCHES[key] = (compiled.run, compiled.function, compiled.packed_metadata, tail,
+                              triton.runtime.driver.active.get_current_stream)          # as Triton's launch finds the stream
+        return
+    run, function, metadata, tail, stream = entry
+    g = (*grid, 1, 1)
+    run(g[0], g[1], g[2], stream(device), function, metadata, None, None, None, *args, *tail)   # no launch hooks: checked above
+    LAUNCH_COUNTS["direct"] += 1
 
 # %% ../nbs/01_kernels.ipynb #ffc07854
 RMS_NORM_BLOCK_ROWS = 2            # rows per forward program (fewer when a block would pass 16384 elements). H200 sweep: 2 rows 93-99% of copy, 1 row 83-93%

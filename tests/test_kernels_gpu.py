@@ -143,3 +143,21 @@ def test_resident_programs_reads_the_compiled_kernel():
     with K.knob_values(K, dict(RMS_NORM_BACKWARD_NUM_WARPS=4)): K.rms_norm_backward(torch.randn_like(x), x, w, rstd)
     (per_sm,) = K._RESIDENT.values()
     assert 1 <= per_sm < 16, per_sm   # 4 warps over 4096 columns hold 32 values of each row per thread: registers bind first
+
+@pytest.mark.parametrize("dtype", [torch.float32, bf16])
+def test_launch_direct_path_writes_what_the_bound_path_does(dtype):
+    "K.launch: the first launch of a key binds, the next ones go direct, to fresh tensors, and an odd alignment is its own key."
+    base = torch.randn(3 * 8192 + 8, device="cuda", dtype=dtype)
+    cases = [(n, off) for n in (1, 77, 4097) for off in (0, 1)]          # off 1: every pointer 2 or 4 bytes off alignment
+    for round_ in range(3):
+        for n, off in cases:
+            a, b = torch.randn(n + off, device="cuda", dtype=dtype)[off:], base[off:off + n]
+            out = torch.full((n + off,), nan, device="cuda", dtype=dtype)[off:]
+            before = dict(K.LAUNCH_COUNTS)
+            K.launch(K.vecadd_kernel, (triton_cdiv(n, 256),), a, b, out, n, BLOCK=256, num_warps=4)
+            path = "direct" if K.LAUNCH_COUNTS["direct"] > before["direct"] else "bound"
+            assert round_ == 0 or path == "direct", (n, off, round_)
+            K.check_close(f"launch vecadd {dtype} n={n} off={off} ({path})", out, a.double() + b.double(), 1e-2)
+    assert K.launch_key(K.vecadd_kernel, 0, (a, b, out, 77), {}) != K.launch_key(K.vecadd_kernel, 0, (a[1:], b, out, 77), {})
+
+def triton_cdiv(a, b): return -(-a // b)
