@@ -12,11 +12,10 @@ __all__ = ['PHASES', 'PROFILE_WARMUP_STEPS', 'CHART_ROWS', 'UNUSED_OUT_DIR', 'AR
            'profile_table', 'profile_chart', 'Worktree', 'run_in_worktree', 'tokens_per_s_from_metrics', 'ab_arm',
            'summarize_pairs', 'print_summary', 'ab', 'PlainMoe', 'PlainBlock', 'PlainTransformer',
            'plain_parameter_counts', 'check_parameter_counts', 'gradient_dtypes', 'dtype_census', 'PlainAdamW',
-           'cuda_graphs_recorded', 'ArmRun', 'arm_failure', 'run_arm', 'arm_main', 'run_arm_process', 'process_failure',
-           'arm_worker_main', 'KeptArm', 'KeptArms', 'versus', 'sweep_arch', 'sweep_arch_suite', 'changed_rows',
-           'refuse_on_cpu', 'run_profile', 'run_ab', 'parse_batches', 'run_versus', 'run_sweep_arch', 'kernel_floor_ms',
-           'step_kernels', 'step_floor', 'kernel_family', 'measured_families', 'roofline_report', 'roofline_table',
-           'roofline_suite']
+           'cuda_graphs_recorded', 'ArmRun', 'arm_failure', 'run_arm', 'process_failure', 'arm_worker_main', 'KeptArm',
+           'run_arm_process', 'KeptArms', 'versus', 'sweep_arch', 'sweep_arch_suite', 'changed_rows', 'refuse_on_cpu',
+           'run_profile', 'run_ab', 'parse_batches', 'run_versus', 'run_sweep_arch', 'kernel_floor_ms', 'step_kernels',
+           'step_floor', 'kernel_family', 'measured_families', 'roofline_report', 'roofline_table', 'roofline_suite']
 
 # %% ../nbs/07_profiling.ipynb #973d0d1b
 import json, math, os, queue, shlex, shutil, subprocess, sys, tempfile, threading, time
@@ -679,21 +678,6 @@ def run_arm(spec):
     try: return ArmRun(spec).measure()
     except Exception as e: return arm_failure(spec, e)
 
-def arm_main(spec_json):
-    "Entry point of an arm's process: print the result as one JSON line."
-    print(ARM_RESULT_PREFIX + json.dumps(run_arm(json.loads(spec_json))), flush=True)
-
-def run_arm_process(spec, timeout=None):
-    "Run one arm in a fresh Python process; the result dict (status says what went wrong if it failed)."
-    code = "import sys; from rtrainer.profiling import arm_main; arm_main(sys.argv[1])"
-    try:
-        r = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return dict(arm=spec["arm"], status=f"timed out after {timeout} s")
-    found = [l for l in r.stdout.splitlines() if l.startswith(ARM_RESULT_PREFIX)]
-    if found: return json.loads(found[-1][len(ARM_RESULT_PREFIX):])
-    return dict(arm=spec["arm"], status=process_failure(r.returncode, r.stderr or r.stdout))
-
 def process_failure(returncode, output):
     "The status of an arm process that ended without a result."
     tail = output.strip()[-600:]
@@ -744,6 +728,15 @@ class KeptArm:
     def close(self):
         if self.proc.poll() is None: self.proc.kill()
         self.proc.wait(); self.stderr.close()
+
+def run_arm_process(spec, timeout=None):
+    """Run one arm in a fresh Python process, a `KeptArm` measured once; the result dict (status says what went wrong
+    if it failed). `timeout` applies to the build and warm-up, then to the timed steps."""
+    kept = KeptArm(spec)
+    try:
+        ready = kept.reply(timeout)
+        return kept.measure(timeout) if ready.get("ready") else ready
+    finally: kept.close()
 
 class KeptArms:
     """Every arm of one comparison in a process of its own, kept for all its rounds: the processes build, compile and

@@ -267,3 +267,19 @@ def test_kept_arm_timeout_kills_it():
     kept = KeptArm(dict(arm="eager", config="tiny", overrides=dict(vocab_size=SMALL_VOCAB), batch_size=1, seq_len=16, warmup=1, steps=1))
     res = kept.reply(timeout=0.01)                # no process imports torch in 10 ms
     assert res["status"] == "timed out after 0.01 s" and kept.proc.poll() is not None
+
+def test_run_arm_process_is_one_kept_arm_measured_once(monkeypatch):
+    "A fresh process builds, times once and ends; a build failure and a time limit come back as statuses."
+    from rtrainer import profiling as prof
+    started = []
+    class Counting(prof.KeptArm):
+        def __init__(self, spec): super().__init__(spec); started.append(self)
+    monkeypatch.setattr(prof, "KeptArm", Counting)
+    spec = dict(arm="eager", config="tiny", overrides=dict(vocab_size=SMALL_VOCAB), batch_size=2, seq_len=16, warmup=1, steps=2)
+    res = prof.run_arm_process(spec, timeout=120)
+    assert res["tokens_per_s"] > 0 and math.isfinite(res["final_loss"]) and res["compile_s"] >= 0
+    bad = prof.run_arm_process(dict(spec, overrides=dict(n_heads=5)))       # 5 heads do not divide d_model: the build fails
+    assert "tokens_per_s" not in bad and bad["status"].startswith("failed")
+    late = prof.run_arm_process(spec, timeout=0.01)
+    assert late["status"] == "timed out after 0.01 s"
+    assert len(started) == 3 and all(k.proc.poll() is not None for k in started)   # every process ended
