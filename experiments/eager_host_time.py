@@ -1,7 +1,8 @@
 """Where the eager trainer's host time goes at a batch too small to hide it: rb100m at 1x512 on the H200 takes about
 45 ms a step eagerly against 4 ms as one CUDA graph (versus_rb100m_small_*.json), so the step is the host's time.
 This script times eager steps, then profiles the same steps twice: cProfile (which Python functions hold the host)
-and torch.profiler (how many kernel launches, and the host time the launch calls take). The account and what came of
+and torch.profiler (how many kernel launches, and the host time the launch calls take), and times eager steps with
+`rtrainer.kernels.launch`'s direct path against Triton's binding, `--rounds` alternated rounds. The account and what came of
 it: experiments/eager_host_time.md.
 
 `python experiments/eager_host_time.py [--config rb100m] [--batch-size 1] [--seq-len 512] [--steps 20]` on a GPU
@@ -13,6 +14,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="rb100m"); p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=512); p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
     from arm_rounds import synthetic_trainer
     import rtrainer.optimizer as optimizer
@@ -37,7 +39,21 @@ def main():
     kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     top_cpu = sorted(events, key=lambda e: -e.self_cpu_time_total)[:25]
+    import rtrainer.kernels as K                      # kernels.launch's direct path against Triton's binding, paired
+    def step_ms(direct):
+        K.DIRECT_LAUNCHES = direct
+        try:
+            t0 = time.perf_counter(); steps(a.steps); return (time.perf_counter() - t0) / a.steps * 1e3
+        finally: K.DIRECT_LAUNCHES = True
+    paired = {True: [], False: []}
+    for r in range(a.rounds):
+        for direct in K.alternation([True, False], r): paired[direct].append(step_ms(direct))
+    direct_vs_binding = K.ratio_interval([b / d for d, b in zip(paired[True], paired[False])])   # > 1: direct is faster
+    print("eager step ms, direct launches", [round(x, 2) for x in paired[True]], "Triton's binding",
+          [round(x, 2) for x in paired[False]], "speed-up %.3f [%.3f, %.3f]" % direct_vs_binding, flush=True)
     result = dict(config=a.config, batch_size=a.batch_size, seq_len=a.seq_len, steps=a.steps, eager_step_ms=wall_ms,
+                  direct_launch_step_ms=paired[True], binding_step_ms=paired[False], direct_speedup=direct_vs_binding,
+                  commit=os.environ.get("RTRAINER_COMMIT"),
                   final_loss=float(losses[-1]), table_builds_timed=table_builds,
                   launches_per_step={e.key: e.count / a.steps for e in launches},
                   launch_host_ms_per_step=sum(e.self_cpu_time_total for e in launches) / a.steps / 1e3,

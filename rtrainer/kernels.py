@@ -617,7 +617,7 @@ def rms_norm_forward(x, weight, eps=1e-5, residual=None, out=None, summed=None):
     else: r2 = s2 = x2
     block_cols = triton.next_power_of_2(D)
     block_rows = max(1, min(RMS_NORM_BLOCK_ROWS, 16384 // block_cols))   # a wide row keeps the program's tile in registers
-    rms_norm_forward_kernel[(triton.cdiv(n_rows, block_rows),)](
+    launch(rms_norm_forward_kernel, (triton.cdiv(n_rows, block_rows),),
         x2, r2, weight, out2, s2, rstd, n_rows, D, x2.stride(0), r2.stride(0), out2.stride(0), s2.stride(0), eps,
         HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
         num_warps=RMS_NORM_NUM_WARPS)
@@ -634,19 +634,19 @@ def rms_norm_backward(dy, x, weight, rstd, dsummed=None, dx=None):
     dx2 = dx.view(-1, D)
     block_cols = triton.next_power_of_2(D)
     warps = RMS_NORM_BACKWARD_NUM_WARPS or min(32, max(4, block_cols // 512))
-    launch = dict(HAS_DSUMMED=dsummed is not None, BLOCK_ROWS=RMS_NORM_BACKWARD_BLOCK_ROWS, BLOCK_COLS=block_cols,
+    settings = dict(HAS_DSUMMED=dsummed is not None, BLOCK_ROWS=RMS_NORM_BACKWARD_BLOCK_ROWS, BLOCK_COLS=block_cols,
                   PREFETCH=bool(RMS_NORM_BACKWARD_PREFETCH), num_warps=warps)
     args = lambda partial: (dy2, x2, weight, rstd, ds2, dx2, partial, n_rows, D, dy2.stride(0), x2.stride(0), ds2.stride(0), dx2.stride(0))
     per_sm = RMS_NORM_BACKWARD_PROGRAMS_PER_SM
     if not per_sm and x.device.type == "cuda":               # as many programs as fit on an SM at once, measured on the compiled kernel
-        key = (x.device, x.dtype, tuple(launch.items()))
+        key = (x.device, x.dtype, tuple(settings.items()))
         if key not in _RESIDENT:
-            compiled = rms_norm_backward_kernel.warmup(*args(torch.empty(1, D, dtype=torch.float32, device=x.device)), grid=(1,), **launch)
+            compiled = rms_norm_backward_kernel.warmup(*args(torch.empty(1, D, dtype=torch.float32, device=x.device)), grid=(1,), **settings)
             _RESIDENT[key] = resident_programs(compiled, x.device)
         per_sm = _RESIDENT[key]
     n_programs = _program_count(triton.cdiv(n_rows, RMS_NORM_BACKWARD_BLOCK_ROWS), per_sm or 1, x.device)
     partial = torch.empty(n_programs, D, dtype=torch.float32, device=x.device)
-    rms_norm_backward_kernel[(n_programs,)](*args(partial), **launch)
+    launch(rms_norm_backward_kernel, (n_programs,), *args(partial), **settings)
     return dx, partial.sum(0)
 
 # %% ../nbs/01_kernels.ipynb #e4566f00
@@ -797,7 +797,7 @@ def rope_apply(x, cos, sin, out=None, inverse=False):
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     n_rows = B * T * H
-    if n_rows: rope_kernel[(triton.cdiv(n_rows, ROPE_BLOCK_ROWS),)](
+    if n_rows: launch(rope_kernel, (triton.cdiv(n_rows, ROPE_BLOCK_ROWS),),
         x, cos, sin, out, n_rows, T, H, hd, *x.stride(), *out.stride(), cos.stride(0),
         SIN_SIGN=-1.0 if inverse else 1.0, BLOCK_ROWS=ROPE_BLOCK_ROWS, BLOCK_DIM=max(2, triton.next_power_of_2(hd)),
         num_warps=ROPE_NUM_WARPS)
@@ -875,7 +875,7 @@ def swiglu_forward(gate_up, out=None):
     out = torch.empty(*gate_up.shape[:-1], ff, dtype=gate_up.dtype, device=gate_up.device) if out is None else out
     out2 = out.view(-1, ff)
     blocks = triton.cdiv(ff, SWIGLU_BLOCK)
-    if n_rows: swiglu_forward_kernel[(n_rows * blocks,)](gu, out2, ff, blocks, gu.stride(0), out2.stride(0),
+    if n_rows: launch(swiglu_forward_kernel, (n_rows * blocks,), gu, out2, ff, blocks, gu.stride(0), out2.stride(0),
                                                          BLOCK=SWIGLU_BLOCK, num_warps=SWIGLU_NUM_WARPS)
     return out
 
@@ -886,7 +886,7 @@ def swiglu_backward(dy, gate_up, dgate_up=None):
     dgate_up = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device) if dgate_up is None else dgate_up
     d2 = dgate_up.view(-1, 2 * ff)
     blocks = triton.cdiv(ff, SWIGLU_BLOCK)
-    if n_rows: swiglu_backward_kernel[(n_rows * blocks,)](dy2, gu, d2, ff, blocks, dy2.stride(0), gu.stride(0), d2.stride(0),
+    if n_rows: launch(swiglu_backward_kernel, (n_rows * blocks,), dy2, gu, d2, ff, blocks, dy2.stride(0), gu.stride(0), d2.stride(0),
                                                           BLOCK=SWIGLU_BLOCK, num_warps=SWIGLU_NUM_WARPS)
     return dgate_up
 
@@ -977,7 +977,7 @@ def embedding_forward(ids, weight, out=None):
     flat = ids.reshape(-1)
     out = torch.empty(*ids.shape, D, dtype=weight.dtype, device=weight.device) if out is None else out
     out2 = out.view(-1, D)
-    if flat.numel(): embedding_forward_kernel[(flat.numel(), triton.cdiv(D, EMBEDDING_BLOCK))](
+    if flat.numel(): launch(embedding_forward_kernel, (flat.numel(), triton.cdiv(D, EMBEDDING_BLOCK)),
         flat, weight, out2, D, weight.stride(0), out2.stride(0), BLOCK=EMBEDDING_BLOCK, num_warps=EMBEDDING_NUM_WARPS)
     return out
 
@@ -987,7 +987,7 @@ def embedding_backward_deterministic(ids, grad, main_grad, overwrite):
     flat, g2 = ids.reshape(-1), as_rows(grad)
     sorted_ids, order = torch.sort(flat, stable=True)
     starts = torch.searchsorted(sorted_ids, torch.arange(V + 1, dtype=sorted_ids.dtype, device=ids.device))  # (V + 1,)
-    if V: embedding_backward_segments_kernel[(V, triton.cdiv(D, EMBEDDING_BLOCK))](
+    if V: launch(embedding_backward_segments_kernel, (V, triton.cdiv(D, EMBEDDING_BLOCK)),
         g2, order, starts, main_grad, D, g2.stride(0), OVERWRITE=overwrite, BLOCK=EMBEDDING_BLOCK, num_warps=EMBEDDING_NUM_WARPS)
     return main_grad
 
@@ -996,7 +996,7 @@ def embedding_backward_atomic(ids, grad, main_grad, overwrite):
     V, D = main_grad.shape
     flat, g2 = ids.reshape(-1), as_rows(grad)
     if overwrite: main_grad.zero_()
-    if flat.numel(): embedding_backward_atomic_kernel[(flat.numel(), triton.cdiv(D, EMBEDDING_BLOCK))](
+    if flat.numel(): launch(embedding_backward_atomic_kernel, (flat.numel(), triton.cdiv(D, EMBEDDING_BLOCK)),
         flat, g2, main_grad, D, g2.stride(0), BLOCK=EMBEDDING_BLOCK, num_warps=EMBEDDING_NUM_WARPS)
     return main_grad
 

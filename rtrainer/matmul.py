@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from .kernels import (INTERPRETING, KERNELS_CAN_RUN, register_op, at_least_fp32, weight_grad_buffer, finish_weight_grad,
+from .kernels import (INTERPRETING, KERNELS_CAN_RUN, launch, register_op, at_least_fp32, weight_grad_buffer, finish_weight_grad,
                               median_ms, peak_bytes, save_results, load_results, show_results, knob_values)
 
 # %% ../nbs/01a_matmul.ipynb #0bd04b24
@@ -103,7 +103,7 @@ def triton_matmul(a, b, out=None, accumulate=False, out_dtype=None):
     if INTERPRETING:
         cfg = INTERPRETER_GEMM_CONFIG
         grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-        matmul_kernel[grid](*args, ACCUMULATE=accumulate, **cfg)
+        launch(matmul_kernel, grid, *args, ACCUMULATE=accumulate, **cfg)
     else:
         grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
         matmul_kernel_autotuned[grid](*args, ACCUMULATE=accumulate)
@@ -225,7 +225,7 @@ def cross_entropy_rows(logits, targets, row_loss, inv_count, vocab_size, ignore_
     "Per-row loss of a chunk of logits; with write_gradient the logits become (softmax - onehot) * inv_count in place."
     if not KERNELS_CAN_RUN:
         return cross_entropy_rows_torch(logits, targets, row_loss, inv_count, vocab_size, ignore_index, write_gradient)
-    cross_entropy_rows_kernel[(logits.shape[0],)](
+    launch(cross_entropy_rows_kernel, (logits.shape[0],),
         logits, targets, row_loss, inv_count, logits.stride(0), vocab_size, logits.shape[1], ignore_index,
         WRITE_GRADIENT=write_gradient, BLOCK_V=CE_BLOCK_V, num_warps=CE_NUM_WARPS)
 

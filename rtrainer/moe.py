@@ -35,7 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from . import matmul  # noqa: F401 (registers the "linear" op that the shared expert runs)
-from .kernels import (INTERPRETING, KERNELS_CAN_RUN, register_op, get_op, resolve_impl, at_least_fp32, swiglu_reference,
+from .kernels import (INTERPRETING, KERNELS_CAN_RUN, launch, register_op, get_op, resolve_impl, at_least_fp32, swiglu_reference,
                               swiglu_forward, SWIGLU_BLOCK, SWIGLU_NUM_WARPS, weight_grad_buffer, finish_weight_grad, start_gradient_step,
                               gradient_fp32, median_ms, sustained_ms, peak_bytes, alternation, ratio_interval, save_results, knob_values,
                               _program_count)
@@ -242,7 +242,7 @@ def grouped_gemm_triton(rows, weight, group_starts, group_ends, block_m=None, ou
     tile_offsets = _tile_offsets(starts, ends, block_m)
     max_m_tiles = triton.cdiv(R, block_m) + G
     grid = lambda meta: (max_m_tiles * triton.cdiv(N, meta["BLOCK_N"]),)
-    grouped_gemm_kernel[grid](rows, weight, out, starts, ends, tile_offsets, N, K, max_m_tiles,
+    launch(grouped_gemm_kernel, grid, rows, weight, out, starts, ends, tile_offsets, N, K, max_m_tiles,
                               rows.stride(0), rows.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
                               out.stride(0), out.stride(1),
                               N_GROUPS=G, BLOCK_M=block_m, INPUT_PRECISION=_dot_precision(rows.dtype))
@@ -255,7 +255,7 @@ def pointer_weight_grad_triton(rows, grad_out, group_starts, group_ends, out, ac
     starts, ends = group_starts.to(torch.int32), group_ends.to(torch.int32)
     G, K, N = out.shape
     grid = lambda meta: (triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"]), G)
-    grouped_gemm_weight_grad_kernel[grid](rows, grad_out, out, starts, ends, K, N,
+    launch(grouped_gemm_weight_grad_kernel, grid, rows, grad_out, out, starts, ends, K, N,
                                           rows.stride(0), rows.stride(1), grad_out.stride(0), grad_out.stride(1),
                                           out.stride(0), out.stride(1), out.stride(2),
                                           ACCUMULATE=accumulate, INPUT_PRECISION=_dot_precision(rows.dtype))
@@ -343,7 +343,7 @@ def tma_weight_grad_triton(rows, grad_out, group_starts, group_ends, out, accumu
     bk, bn, br = cfg.pop("BLOCK_K"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_R")
     tiles = G * triton.cdiv(K, bk) * triton.cdiv(N, bn)
     programs = _program_count(tiles, 1, rows.device)      # one per SM (4 on a CPU, so the loop runs in CI)
-    tma_weight_grad_kernel[(programs,)](
+    launch(tma_weight_grad_kernel, (programs,),
         TensorDescriptor.from_tensor(rows, [br, bk]), TensorDescriptor.from_tensor(grad_out, [br, bn]), out,
         group_starts, group_ends, K, N, G, programs, ACCUMULATE=accumulate, BLOCK_K=bk, BLOCK_N=bn, BLOCK_R=br, GROUP_K=8,
         INPUT_PRECISION=_dot_precision(rows.dtype), **cfg)
@@ -409,7 +409,7 @@ def gather_rows_triton(src, index):
     "out (R, D): out[r] = src[index[r]], a zero row where index[r] < 0."
     R, D = index.shape[0], src.shape[1]
     out = torch.empty(R, D, dtype=src.dtype, device=src.device)
-    gather_rows_kernel[(R,)](src, index, out, D, BLOCK_D=min(ROW_BLOCK, triton.next_power_of_2(D)))
+    launch(gather_rows_kernel, (R,), src, index, out, D, BLOCK_D=min(ROW_BLOCK, triton.next_power_of_2(D)))
     return out
 
 COMBINE_ROUTER_TILE = (32, 128)   # (tokens, columns) per program when the router's dx is added: its router tile serves 32 tokens
@@ -431,7 +431,7 @@ def combine_rows_triton(src, assignment_rows, weights=None, out_dtype=None, rout
         dlogits = router = src                      # not read (E = 0)
         E = 0
     block_t, block_d = COMBINE_ROUTER_TILE if E else (1, min(ROW_BLOCK, triton.next_power_of_2(D)))
-    combine_rows_kernel[(triton.cdiv(N, block_t), triton.cdiv(D, block_d))](
+    launch(combine_rows_kernel, (triton.cdiv(N, block_t), triton.cdiv(D, block_d)),
         src, assignment_rows, weights if weights is not None else src, dlogits, router, out, N, D,
         TOP_K=top_k, HAS_WEIGHTS=weights is not None, E=E, BLOCK_T=block_t, BLOCK_D=block_d)
     return out
@@ -598,11 +598,11 @@ def _route_kernel(x, router, out, experts, weights, top_k):
     (N, D), E = x.shape, router.shape[1]
     if E <= ROUTER_ROWDOT_MAX_E:
         NC, G, R, warps = ROUTER_ROWDOT
-        router_rowdot_kernel[(triton.cdiv(N, G * R),)](x, router.t().contiguous(), out, experts, weights, N, D, E=E,
+        launch(router_rowdot_kernel, (triton.cdiv(N, G * R),), x, router.t().contiguous(), out, experts, weights, N, D, E=E,
                                                        E_PAD=max(2, triton.next_power_of_2(E)), TOP_K=top_k, NC=NC, G=G,
                                                        R=R, EVEN=N % (G * R) == 0 and D % (NC * 4) == 0, num_warps=warps)
     else:
-        router_logits_kernel[(triton.cdiv(N, ROUTER_BLOCK_ROWS),)](x, router, out, experts, weights, N, D, E,
+        launch(router_logits_kernel, (triton.cdiv(N, ROUTER_BLOCK_ROWS),), x, router, out, experts, weights, N, D, E,
                                                                     BLOCK_ROWS=ROUTER_BLOCK_ROWS, BLOCK_COLS=ROUTER_BLOCK_COLS,
                                                                     E_PAD=_router_e_pad(E), TOP_K=top_k)
 
@@ -640,7 +640,7 @@ def router_backward_triton(grad_weights, top_weights, top_experts, probs, grad_p
         raise ValueError(f"router_backward_triton: needs fp32 probs and top_weights and grad_probs of shape ({N}, {E}), got "
                          f"{probs.dtype}, {top_weights.dtype} and {tuple(grad_probs.shape)}")
     grad_logits = torch.empty(N, E, dtype=torch.float32, device=probs.device)
-    router_backward_kernel[(triton.cdiv(N, ROUTER_BLOCK_ROWS),)](
+    launch(router_backward_kernel, (triton.cdiv(N, ROUTER_BLOCK_ROWS),),
         grad_weights.float().contiguous(), top_weights.contiguous(), top_experts.contiguous(), probs.contiguous(), grad_probs,
         grad_probs.stride(0), grad_probs.stride(1), grad_logits, N, E, TOP_K=top_k, BLOCK_ROWS=ROUTER_BLOCK_ROWS,
         E_PAD=triton.next_power_of_2(E))
@@ -654,7 +654,7 @@ def router_weight_grad_triton(x, grad_logits, router):
     (N, D), E = x.shape, router.shape[1]
     chunks = triton.cdiv(N, ROUTER_CHUNK_ROWS)
     partial = torch.empty(chunks, D, _router_e_pad(E), dtype=torch.float32, device=x.device)
-    router_grad_w_kernel[(triton.cdiv(D, ROUTER_BLOCK_COLS), chunks)](
+    launch(router_grad_w_kernel, (triton.cdiv(D, ROUTER_BLOCK_COLS), chunks),
         x, g, partial, N, D, E, CHUNK_ROWS=ROUTER_CHUNK_ROWS, BLOCK_ROWS=ROUTER_BLOCK_ROWS, BLOCK_COLS=ROUTER_BLOCK_COLS,
         E_PAD=_router_e_pad(E))
     return partial.sum(0)[:, :E]                       # the chunks' partials in a fixed order: deterministic
@@ -902,7 +902,7 @@ def capacity_plan(top_experts, n_experts, capacity_factor):
     dev, A = top_experts.device, N * top_k
     row_assignment, row_token, assignment_rows, bounds = _plan_buffers(top_experts, n_experts, n_experts * capacity)
     kept = torch.empty(n_experts, dtype=torch.int32, device=dev)
-    capacity_plan_kernel[(n_experts,)](top_experts.contiguous(), row_assignment, row_token, assignment_rows, bounds, kept,
+    launch(capacity_plan_kernel, (n_experts,), top_experts.contiguous(), row_assignment, row_token, assignment_rows, bounds, kept,
                                        A, capacity, n_experts, TOP_K=top_k,
                                        BLOCK=min(PLAN_BLOCK, triton.next_power_of_2(max(A, capacity, 1))), num_warps=8)
     return RoutingPlan(row_token=row_token, row_assignment=row_assignment, assignment_rows=assignment_rows,
@@ -967,7 +967,7 @@ def dropless_plan(top_experts, n_experts, row_align=1):
     R = A + n_experts * (row_align - 1)
     row_assignment, row_token, assignment_rows, bounds = _plan_buffers(top_experts, n_experts, R)
     e_block = triton.next_power_of_2(n_experts)
-    dropless_plan_kernel[(n_experts,)](top_experts.contiguous(), row_assignment, row_token, assignment_rows, bounds,
+    launch(dropless_plan_kernel, (n_experts,), top_experts.contiguous(), row_assignment, row_token, assignment_rows, bounds,
                                        A, R, n_experts, row_align, TOP_K=top_k, E_BLOCK=e_block,
                                        COUNT_BLOCK=max(16, min(PLAN_BLOCK, PLAN_COUNT_ELEMENTS // e_block)),
                                        BLOCK=min(PLAN_BLOCK, triton.next_power_of_2(max(A, 1))), num_warps=8)
@@ -1018,7 +1018,7 @@ def routed_swiglu_backward(dact, hidden, row_assignment, weights):
         raise ValueError(f"routed_swiglu_backward: need contiguous dact (R, FF), hidden (R, 2FF) and row_assignment (R,), got "
                          f"{tuple(dact.shape)}, {tuple(hidden.shape)} and {tuple(row_assignment.shape)}")
     grad_weights = torch.zeros(weights.shape, dtype=torch.float32, device=dact.device)
-    if R: routed_swiglu_backward_kernel[(R,)](dact, hidden, row_assignment, weights.contiguous(), grad_weights, FF,
+    if R: launch(routed_swiglu_backward_kernel, (R,), dact, hidden, row_assignment, weights.contiguous(), grad_weights, FF,
                                               BLOCK=min(SWIGLU_BLOCK, triton.next_power_of_2(FF)), num_warps=SWIGLU_NUM_WARPS)
     return grad_weights
 

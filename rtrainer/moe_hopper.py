@@ -16,7 +16,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from .kernels import INTERPRETING
+from .kernels import INTERPRETING, launch
 from .moe import FAST_PATHS
 from .attention_hopper import _block_layout, _is_sm90, _sm_count   # 02a's device facts and tile layouts, cached
 
@@ -240,7 +240,7 @@ def _launch(rows, weight, config, swiglu, out, groups=None):
     out_cols = block_n // 2 if swiglu else block_n                           # swiglu: gate and up leave as separate blocks
     b_desc = (_desc(weight.transpose(1, 2).reshape(E * N, K), block_n, block_k) if trans_b
               else _desc(weight.reshape(E * K, N), block_k, out_cols))
-    gluon_grouped_gemm_kernel[(min(n_tiles, _sm_count(rows.device.index)),)](
+    launch(gluon_grouped_gemm_kernel, (min(n_tiles, _sm_count(rows.device.index)),),
         _desc(rows, block_m, block_k), b_desc, _desc(out, block_m // 2, out_cols),
         _desc(act if swiglu else out, block_m // 2, block_n // 2),            # not written without swiglu
         n_tiles, tiles_m, tiles_n, K, N, R // E, starts, ends, E, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,

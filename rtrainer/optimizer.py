@@ -20,7 +20,7 @@ import math, statistics, struct, sys
 import torch
 import triton
 import triton.language as tl
-from .kernels import (get_op, register_op, resolve_impl, start_gradient_step, gradient_fp32,
+from .kernels import (get_op, launch, register_op, resolve_impl, start_gradient_step, gradient_fp32,
                               median_ms, save_results, knob_values, alternation, ratio_interval,
                               INTERPRETING)
 
@@ -486,7 +486,7 @@ def fused_adamw_update(work, s):
         if step_scalars is None:
             step_scalars = torch.empty(4, dtype=torch.float32, device=device)
             write_step_scalars(step_scalars, s)
-        adamw_multi_tensor_kernel[(len(plan[0]),)](                       # one program per chunk of the plan
+        launch(adamw_multi_tensor_kernel, (len(plan[0]),),                        # one program per chunk of the plan
             *tables, *plan, step_scalars, s["beta1"], s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"], s["eps"], scale,
             PARAM_IS_BF16=dtype == torch.bfloat16, ALIGNED=all(a % ALIGNMENT_BYTES == 0 for column in addresses for a in column),
             CHUNK_SIZE=ADAMW_CHUNK_SIZE, BLOCK_SIZE=ADAMW_BLOCK_SIZE, num_warps=ADAMW_NUM_WARPS, enable_fp_fusion=False)
@@ -505,7 +505,7 @@ def fused_grad_norm(grads):
     plan = _plan_tables(numels, ADAMW_CHUNK_SIZE, device)
     n_chunks = len(plan[0])
     partial_sums = torch.full((n_chunks,), float("nan"), dtype=torch.float32, device=device)  # poisoned: an unwritten partial shows as NaN
-    sum_of_squares_multi_tensor_kernel[(n_chunks,)](
+    launch(sum_of_squares_multi_tensor_kernel, (n_chunks,),
         *tables, *plan, partial_sums, ALIGNED=all(a % ALIGNMENT_BYTES == 0 for a in addresses), CHUNK_SIZE=ADAMW_CHUNK_SIZE,
         BLOCK_SIZE=ADAMW_BLOCK_SIZE, num_warps=ADAMW_NUM_WARPS)
     return partial_sums.sum().sqrt()
