@@ -18,7 +18,7 @@ from rtrainer.attention import (flash_attention, flash_attention_forward, flash_
 from rtrainer.attention_hopper import _descriptor, FORWARD_TILES, CONSUMER_REGS, LOG2E, _sm_count
 
 CALLS = int(os.environ.get("CALLS", 200))
-ROUNDS = int(os.environ.get("ROUNDS", 3))
+ROUNDS = int(os.environ.get("ROUNDS", 7))
 
 @triton.jit
 def empty_kernel(x_ptr):

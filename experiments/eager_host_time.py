@@ -14,7 +14,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="rb100m"); p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=512); p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=7)
     a = p.parse_args()
     from arm_rounds import synthetic_trainer
     import rtrainer.optimizer as optimizer

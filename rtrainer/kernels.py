@@ -476,11 +476,15 @@ def _constant_tail(kernel, n_args, kwargs):
         tail.append(kwargs[p.name] if p.name in kwargs else p.default)
     return tuple(tail)
 
+def _hooked(hook):
+    "Whether a Triton launch hook would do something (a `HookChain` without hooks does nothing)."
+    return hook is not None and bool(getattr(hook, "calls", True))
+
 def launch(kernel, grid, *args, **kwargs):
     """`kernel[grid](*args, **kwargs)` for a @triton.jit or Gluon kernel and a tuple grid, through the compiled launcher
     cached for these arguments' key (see above); returns nothing."""
     if (not DIRECT_LAUNCHES or INTERPRETING or callable(grid) or not isinstance(kernel, triton.runtime.jit.JITFunction)
-            or triton.knobs.runtime.launch_enter_hook is not None):
+            or _hooked(triton.knobs.runtime.launch_enter_hook) or _hooked(triton.knobs.runtime.launch_exit_hook)):
         kernel[grid](*args, **kwargs); LAUNCH_COUNTS["bound"] += 1; return
     device = torch.cuda.current_device()
     key = launch_key(kernel, device, args, kwargs)
