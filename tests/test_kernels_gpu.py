@@ -158,6 +158,7 @@ def test_launch_direct_path_writes_what_the_bound_path_does(dtype):
             path = "direct" if K.LAUNCH_COUNTS["direct"] > before["direct"] else "bound"
             assert round_ == 0 or path == "direct", (n, off, round_)
             K.check_close(f"launch vecadd {dtype} n={n} off={off} ({path})", out, a.double() + b.double(), 1e-2)
-    assert K.launch_key(K.vecadd_kernel, 0, (a, b, out, 77), {}) != K.launch_key(K.vecadd_kernel, 0, (a[1:], b, out, 77), {})
+    x = torch.randn(80, device="cuda", dtype=dtype)                     # fresh from the allocator: aligned
+    assert K.launch_key(K.vecadd_kernel, 0, (x, x, x, 77), {}) != K.launch_key(K.vecadd_kernel, 0, (x[1:], x, x, 77), {})
 
 def triton_cdiv(a, b): return -(-a // b)
