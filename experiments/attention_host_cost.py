@@ -35,16 +35,10 @@ def host_us(fn, calls=CALLS):
         torch.cuda.synchronize()
     return sorted(times)[2]
 
-def full_args(jit_fn, args, kwargs):
-    "Every parameter of `jit_fn` in signature order: the positional `args`, then the keywords (constexprs) by name."
-    names = jit_fn.arg_names
-    rest = [kwargs[n] if n in kwargs else jit_fn.params[i].default for i, n in enumerate(names) if i >= len(args)]
-    return [*args, *rest]
-
 def direct(jit_fn, grid, args, kwargs):
     "A function launching the compiled kernel with these arguments without Triton's binding (first launch compiles)."
     compiled = jit_fn[grid](*args, **kwargs)
-    everything = full_args(jit_fn, args, {k: v for k, v in kwargs.items() if k in jit_fn.arg_names})
+    everything = (*args, *K._constant_tail(jit_fn, len(args), kwargs))
     stream = torch.cuda.current_stream().cuda_stream
     run, fn, meta = compiled.run, compiled.function, compiled.packed_metadata
     g = (*grid, 1, 1)[:3]

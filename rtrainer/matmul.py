@@ -103,7 +103,7 @@ def triton_matmul(a, b, out=None, accumulate=False, out_dtype=None):
     if INTERPRETING:
         cfg = INTERPRETER_GEMM_CONFIG
         grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-        launch(matmul_kernel, grid, *args, ACCUMULATE=accumulate, **cfg)
+        matmul_kernel[grid](*args, ACCUMULATE=accumulate, **cfg)
     else:
         grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
         matmul_kernel_autotuned[grid](*args, ACCUMULATE=accumulate)

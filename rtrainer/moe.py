@@ -242,7 +242,7 @@ def grouped_gemm_triton(rows, weight, group_starts, group_ends, block_m=None, ou
     tile_offsets = _tile_offsets(starts, ends, block_m)
     max_m_tiles = triton.cdiv(R, block_m) + G
     grid = lambda meta: (max_m_tiles * triton.cdiv(N, meta["BLOCK_N"]),)
-    launch(grouped_gemm_kernel, grid, rows, weight, out, starts, ends, tile_offsets, N, K, max_m_tiles,
+    grouped_gemm_kernel[grid](rows, weight, out, starts, ends, tile_offsets, N, K, max_m_tiles,
                               rows.stride(0), rows.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
                               out.stride(0), out.stride(1),
                               N_GROUPS=G, BLOCK_M=block_m, INPUT_PRECISION=_dot_precision(rows.dtype))
@@ -255,7 +255,7 @@ def pointer_weight_grad_triton(rows, grad_out, group_starts, group_ends, out, ac
     starts, ends = group_starts.to(torch.int32), group_ends.to(torch.int32)
     G, K, N = out.shape
     grid = lambda meta: (triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"]), G)
-    launch(grouped_gemm_weight_grad_kernel, grid, rows, grad_out, out, starts, ends, K, N,
+    grouped_gemm_weight_grad_kernel[grid](rows, grad_out, out, starts, ends, K, N,
                                           rows.stride(0), rows.stride(1), grad_out.stride(0), grad_out.stride(1),
                                           out.stride(0), out.stride(1), out.stride(2),
                                           ACCUMULATE=accumulate, INPUT_PRECISION=_dot_precision(rows.dtype))

@@ -1,5 +1,5 @@
 "bf16 parity of rtrainer.kernels on a CUDA GPU against float64 references, on real-ish shapes: pytest -m cuda tests/test_kernels_gpu.py"
-import pytest, torch
+import pytest, torch, triton
 from rtrainer import kernels as K
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -154,11 +154,9 @@ def test_launch_direct_path_writes_what_the_bound_path_does(dtype):
             a, b = torch.randn(n + off, device="cuda", dtype=dtype)[off:], base[off:off + n]
             out = torch.full((n + off,), nan, device="cuda", dtype=dtype)[off:]
             before = dict(K.LAUNCH_COUNTS)
-            K.launch(K.vecadd_kernel, (triton_cdiv(n, 256),), a, b, out, n, BLOCK=256, num_warps=4)
+            K.launch(K.vecadd_kernel, (triton.cdiv(n, 256),), a, b, out, n, BLOCK=256, num_warps=4)
             path = "direct" if K.LAUNCH_COUNTS["direct"] > before["direct"] else "bound"
             assert round_ == 0 or path == "direct", (n, off, round_)
             K.check_close(f"launch vecadd {dtype} n={n} off={off} ({path})", out, a.double() + b.double(), 1e-2)
     x = torch.randn(80, device="cuda", dtype=dtype)                     # fresh from the allocator: aligned
     assert K.launch_key(K.vecadd_kernel, 0, (x, x, x, 77), {}) != K.launch_key(K.vecadd_kernel, 0, (x[1:], x, x, 77), {})
-
-def triton_cdiv(a, b): return -(-a // b)
