@@ -22,21 +22,39 @@ from rtrainer.attention_hopper import hopper_forward_kernel, hopper_dq_kernel, h
 import rtrainer.attention_hopper as hopper
 hopper.ENABLED = False     # the "rtrainer" arms below are the Triton kernels of rtrainer.attention
 
-ROUNDS = 5
+ROUNDS = int(os.environ.get("ROUNDS", 5))
+
+def shape_dims(name):
+    """(B, H, KV, T, hd) of a reference shape, of 'T<length>' (rb100m's heads at 32,768 tokens, the attention chapter's
+    sweep) or of 'h128T<length>' (16 heads of 128 at 16,384 tokens, the Hopper benchmark's head-dim-128 sweep)."""
+    from rtrainer.attention import REFERENCE_ATTENTION_SHAPES, SWEEP_TOKENS, SWEEP_HEADS
+    if name in REFERENCE_ATTENTION_SHAPES: return REFERENCE_ATTENTION_SHAPES[name]
+    wide, _, length = name.partition("T")
+    if wide in ("", "h128") and length.isdigit():
+        T = int(length)
+        if wide: return max(1, 16384 // T), 16, 16, T, 128
+        return max(1, SWEEP_TOKENS // T), SWEEP_HEADS[0], SWEEP_HEADS[1], T, SWEEP_HEADS[2]
+    sys.exit(f"attention_ws: unknown shape {name!r}: use {list(REFERENCE_ATTENTION_SHAPES)}, T<length> or h128T<length>")
 CONSUMER_WARPS = 4
 # Variants: tiles of the package's kernels (consumers at CONSUMER_REGS registers). Forward (BLOCK_M rows per consumer,
 # BLOCK_N keys per slot, STAGES, schedule): "persistent-kt", ping-pong in one program per SM over all tiles, K freed early, the
 # output stored by TMA from shared memory while the next tile starts.
-FORWARD_CONFIGS = {64: [(64, 128, 3, "persistent-kt")],
-                   128: [(64, 128, 2, "persistent-kt")]}
+# The first of each list is the package's tile; the others were added for a sweep on the H100 (round 10), where head dim
+# 128 trailed cuDNN by 13% with the H200's tiles, and for long sequences (shared memory: at most 227 KB a program).
+FORWARD_CONFIGS = {64: [(64, 128, 3, "persistent-kt"), (64, 64, 4, "persistent-kt")],
+                   128: [(64, 128, 2, "persistent-kt"), (64, 64, 3, "persistent-kt"), (64, 64, 2, "persistent-kt")]}
 # dK/dV (BLOCK_N keys per consumer, BLOCK_M queries per slot, STAGES, schedule): "persistent-tc", each step's
 # lse and δ loaded a step ahead and held one value per thread until used.
-DKDV_CONFIGS = {64: [(64, 64, 2, "persistent-tc")],
-                128: [(64, 64, 2, "persistent-tc"), (64, 64, 3, "persistent-tc")]}
+DKDV_CONFIGS = {64: [(64, 64, 2, "persistent-tc"), (64, 64, 3, "persistent-tc")],
+                128: [(64, 64, 3, "persistent-tc"), (64, 64, 2, "persistent-tc"), (64, 32, 4, "persistent-tc"), (64, 32, 3, "persistent-tc")]}
 # dQ (BLOCK_M rows per consumer, BLOCK_N keys per slot, STAGES, schedule): "persistent-t", ping-pong over all
 # tiles, O by TMA so that δ is formed from shared memory, dQ stored by TMA.
-DQ_CONFIGS = {64: [(64, 64, 3, "persistent-t")], 128: [(64, 64, 3, "persistent-t")]}
+DQ_CONFIGS = {64: [(64, 64, 3, "persistent-t"), (64, 32, 4, "persistent-t")],
+              128: [(64, 64, 3, "persistent-t"), (64, 64, 2, "persistent-t"), (64, 32, 4, "persistent-t"), (64, 32, 3, "persistent-t")]}
 
+HEAD_DIMS = [int(h) for h in os.environ.get("WS_HEAD_DIMS", "64,128").split(",") if h]   # variants smoked, checked and timed
+for _configs in (FORWARD_CONFIGS, DKDV_CONFIGS, DQ_CONFIGS):
+    for _hd in [h for h in _configs if h not in HEAD_DIMS]: del _configs[_hd]
 
 # ---- the package's kernels at a variant's tiles ----------------------------------------------------------------------
 # The variants measured in rounds 1 to 8 and no longer here (warp-specialized per query pair "ws", ping-pong "pp" and
@@ -83,7 +101,7 @@ LAUNCH = dict(forward=lambda a, i: ws_forward(a["q"], a["k"], a["v"], i),
               dkdv=lambda a, i: ws_dkdv(a["do"], a["q"], a["k"], a["v"], a["lse"], a["delta"], i))
 CHECK_CASES = ((2, 1000, 12, 4, 64), (1, 777, 16, 16, 128), (2, 257, 8, 1, 128), (1, 1, 4, 2, 64), (1, 4099, 4, 2, 64),
                (1, 300, 6, 2, 128))
-SMOKE_TIMEOUT_S = 75
+SMOKE_TIMEOUT_S = int(os.environ.get("SMOKE_TIMEOUT_S", 240))   # cold compiles of every variant of one kernel
 
 def _inputs(B, T, H, KV, hd, seed=1):
     "bf16 q, k, v (fused views), dO, rtrainer's forward o and lse, and δ."
@@ -106,16 +124,24 @@ def smoke(kind):
             torch.cuda.synchronize()
             print(f"SMOKE {hd} {variant} ok", flush=True)
 
-def _smoked(payload, kind):
-    try:
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--smoke", kind], capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
-        out, note = r.stdout, "" if r.returncode == 0 else f"exit {r.returncode}: {r.stderr.strip()[-400:]}"
-    except subprocess.TimeoutExpired as e:
-        out, note = (e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")), f"hung: stopped after {SMOKE_TIMEOUT_S} s"
-    done = {(int(hd), int(v)) for hd, v in re.findall(r"SMOKE (\d+) (\d+) ok", out)}
-    payload["smoke"].append(dict(kernel=kind, finished=sorted(done), note=note))
-    print(f"smoke {kind}: finished {sorted(done)} {note}", flush=True)
-    return done
+def _smoke_all(payload):
+    """Every kernel's smoke run, the three in parallel child processes (cold compiles are CPU work), each with a time
+    limit: {kind: {(hd, variant) that finished}}."""
+    procs = {kind: subprocess.Popen([sys.executable, os.path.abspath(__file__), "--smoke", kind], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for kind in KERNELS}
+    alive = {}
+    for kind, p in procs.items():
+        try:
+            out, err = p.communicate(timeout=SMOKE_TIMEOUT_S)
+            note = "" if p.returncode == 0 else f"exit {p.returncode}: {err.strip()[-400:]}"
+        except subprocess.TimeoutExpired:
+            p.kill(); out, _ = p.communicate()
+            note = f"hung: stopped after {SMOKE_TIMEOUT_S} s"
+        done = {(int(hd), int(v)) for hd, v in re.findall(r"SMOKE (\d+) (\d+) ok", out or "")}
+        payload["smoke"].append(dict(kernel=kind, finished=sorted(done), note=note))
+        print(f"smoke {kind}: finished {sorted(done)} {note}", flush=True)
+        alive[kind] = done
+    return alive
 
 def check(kind, case, variant):
     "Relative errors of one variant against float64 autograd (and δ against rowsum(dO ∘ O))."
@@ -135,9 +161,8 @@ def check(kind, case, variant):
     dk, dv = LAUNCH[kind](a, variant)
     return dict(dk=relative_error(dk, dk64), dv=relative_error(dv, dv64))
 
-def _checked(payload, kind):
+def _checked(payload, kind, alive):
     configs = KERNELS[kind][0]
-    alive = _smoked(payload, kind)
     passed = set()
     for hd in configs:
         for variant, config in enumerate(configs[hd]):
@@ -155,18 +180,19 @@ def _checked(payload, kind):
     return passed
 
 def gpu_main():
-    from rtrainer.attention import (flash_attention_forward, flash_backward_dq, flash_backward_dkdv, attention_flops,
-                                    REFERENCE_ATTENTION_SHAPES)
+    from rtrainer.attention import flash_attention_forward, flash_backward_dq, flash_backward_dkdv, attention_flops
     from torch.nn.attention import sdpa_kernel, SDPBackend
     import torch.nn.functional as F
     payload = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                    configs={k: {str(hd): c for hd, c in v[0].items()} for k, v in KERNELS.items()}, rounds=ROUNDS,
                    smoke=[], checks=[], rows=[])
-    passed = {kind: _checked(payload, kind) for kind in KERNELS}
     shapes = [s for s in os.environ.get("WS_SHAPES", "dense1b,rb100m,moe4b,prof183m").split(",") if s]
+    for name in shapes: shape_dims(name)                    # a wrong name stops here, before any compile
+    alive = _smoke_all(payload)
+    passed = {kind: _checked(payload, kind, alive[kind]) for kind in KERNELS}
     table = []
     for name in shapes:
-        B, H, KV, T, hd = REFERENCE_ATTENTION_SHAPES[name]
+        B, H, KV, T, hd = shape_dims(name)
         a = _inputs(B, T, H, KV, hd, seed=2)
         q, k, v, do, o, lse, delta = (a[n] for n in ("q", "k", "v", "do", "o", "lse", "delta"))
         qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k.repeat_interleave(H // KV, 2), v.repeat_interleave(H // KV, 2)))
@@ -182,7 +208,7 @@ def gpu_main():
                                  ("dkdv", lambda: flash_backward_dkdv(do, q, k, v, lse, delta, True), 2 * flops)):
             arms = {"rtrainer": base}
             if kind == "forward": arms["cudnn"] = cudnn_fwd
-            configs = KERNELS[kind][0][hd]
+            configs = KERNELS[kind][0].get(hd, [])
             for i, c in enumerate(configs):
                 if (hd, i) in passed[kind]: arms["ws " + "/".join(map(str, c))] = (lambda i=i: LAUNCH[kind](a, i))
             times = _alternate(arms, ROUNDS)
