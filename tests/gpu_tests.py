@@ -49,15 +49,17 @@ def run_phase(name, marker, workers, extra, logdir, limit_s):
     xml = logdir / f"{name}.xml"
     cmd = [sys.executable, "-m", "pytest", "-m", marker, "-o", "addopts=", "-p", "no:cacheprovider", "-q", "-rfE",
            f"--junitxml={xml}", *(["--timeout", "300"] if have_plugin("pytest_timeout") else []), *(["-n", str(workers), "--dist", "load"] if workers else []), *extra, "tests"]
+    # Inductor compiles in-process: its pool of compile workers, shut down at exit with a 300 s wait, once held every
+    # xdist worker past the last test until the phase's time limit, and the phase's record was lost.
+    env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS=os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", "1"))
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)   # its own process group: xdist's workers go with it
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)   # its own process group: xdist's workers go with it
     try: rc = proc.wait(timeout=limit_s)
-    except BaseException as e:       # the time limit or Ctrl-C: pytest writes the XML of what finished on SIGINT
+    except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:   # the time limit or SIGINT: pytest writes the XML of what finished
         rc = "timed out" if isinstance(e, subprocess.TimeoutExpired) else "interrupted"
         os.killpg(proc.pid, signal.SIGINT)
         try: proc.wait(timeout=30)
         except subprocess.TimeoutExpired: os.killpg(proc.pid, signal.SIGKILL); proc.wait()
-        if not isinstance(e, subprocess.TimeoutExpired): raise
     cases = parse_junit(xml)
     return cases, dict(phase=name, marker=marker, workers=workers, returncode=rc, tests=len(cases),
                        seconds=round(time.perf_counter() - t0, 1))
@@ -86,6 +88,7 @@ def main(argv=None):
         for name, marker, n in (("serial", "cuda and serial", 0), ("parallel", "cuda and not serial", workers)):
             c, ph = run_phase(name, marker, n, extra, logdir, max(10, args.limit - (time.perf_counter() - t0)))
             cases += c; phases.append(ph)
+            if ph["returncode"] == "interrupted": break   # recorded below as incomplete; the next phase does not start
     finally:   # written even when a phase failed, timed out or was interrupted
         seen = {}
         for case in cases:   # a module skipped at collection shows in both phases: keep one line per test
