@@ -17,13 +17,17 @@ WORKERS = 12
 SHAPES = tuple(os.environ.get("ATTN_CONFIG_SHAPES", "rb100m,prof183m,dense1b,moe4b").split(","))
 
 def shape_dims(shape):
-    "(B, H, KV, T, hd) of a reference shape's name, or of 'T<length>': the sweep's heads at 32K tokens per batch."
+    """(B, H, KV, T, hd) of a reference shape's name, of 'T<length>' (the sweep's heads at 32K tokens per batch) or of
+    'h128T<length>' (16 heads of 128 at 16K tokens, the Hopper benchmark's head-dim-128 sweep)."""
     from rtrainer.attention import REFERENCE_ATTENTION_SHAPES, SWEEP_TOKENS, SWEEP_HEADS
     if shape in REFERENCE_ATTENTION_SHAPES: return REFERENCE_ATTENTION_SHAPES[shape]
-    if shape.startswith("T") and shape[1:].isdigit():
-        T = int(shape[1:]); H, KV, hd = SWEEP_HEADS
+    wide, _, length = shape.partition("T")
+    if wide in ("", "h128") and length.isdigit():
+        T = int(length)
+        if wide: return max(1, 16384 // T), 16, 16, T, 128
+        H, KV, hd = SWEEP_HEADS
         return max(1, SWEEP_TOKENS // T), H, KV, T, hd
-    raise ValueError(f"attention_configs: unknown shape {shape!r}: use {list(REFERENCE_ATTENTION_SHAPES)} or T<length>")
+    raise ValueError(f"unknown attention shape {shape!r}: use {list(REFERENCE_ATTENTION_SHAPES)}, T<length> or h128T<length>")
 # (BLOCK_M, BLOCK_N, warps, stages, maxnreg or None). forward and dQ need BLOCK_M % BLOCK_N == 0, dK/dV BLOCK_N % BLOCK_M == 0.
 # A cap of 128 lets two 8-warp programs (or four 4-warp ones) share an SM's 64K registers; 168 lets three 4-warp ones.
 # The last two or three of each list were added after the first run, for head dim 128, where compiled for sm_90 with

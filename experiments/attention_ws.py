@@ -18,28 +18,18 @@ import torch
 import triton
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention_gluon import _compile_sm90, _alternate, _ratios, reference
+from attention_configs import shape_dims   # reference names, T<length> and h128T<length>
 from rtrainer.attention_hopper import hopper_forward_kernel, hopper_dq_kernel, hopper_dkdv_kernel, CONSUMER_REGS
 import rtrainer.attention_hopper as hopper
 hopper.ENABLED = False     # the "rtrainer" arms below are the Triton kernels of rtrainer.attention
 
 ROUNDS = int(os.environ.get("ROUNDS", 5))
 
-def shape_dims(name):
-    """(B, H, KV, T, hd) of a reference shape, of 'T<length>' (rb100m's heads at 32,768 tokens, the attention chapter's
-    sweep) or of 'h128T<length>' (16 heads of 128 at 16,384 tokens, the Hopper benchmark's head-dim-128 sweep)."""
-    from rtrainer.attention import REFERENCE_ATTENTION_SHAPES, SWEEP_TOKENS, SWEEP_HEADS
-    if name in REFERENCE_ATTENTION_SHAPES: return REFERENCE_ATTENTION_SHAPES[name]
-    wide, _, length = name.partition("T")
-    if wide in ("", "h128") and length.isdigit():
-        T = int(length)
-        if wide: return max(1, 16384 // T), 16, 16, T, 128
-        return max(1, SWEEP_TOKENS // T), SWEEP_HEADS[0], SWEEP_HEADS[1], T, SWEEP_HEADS[2]
-    sys.exit(f"attention_ws: unknown shape {name!r}: use {list(REFERENCE_ATTENTION_SHAPES)}, T<length> or h128T<length>")
 CONSUMER_WARPS = 4
 # Variants: tiles of the package's kernels (consumers at CONSUMER_REGS registers). Forward (BLOCK_M rows per consumer,
 # BLOCK_N keys per slot, STAGES, schedule): "persistent-kt", ping-pong in one program per SM over all tiles, K freed early, the
 # output stored by TMA from shared memory while the next tile starts.
-# The first of each list is the package's tile; the others were added for a sweep on the H100 (round 10), where head dim
+# The first of each list is the package's tile; the others were added for a sweep on the H100 (round 12), where head dim
 # 128 trailed cuDNN by 13% with the H200's tiles, and for long sequences (shared memory: at most 227 KB a program).
 FORWARD_CONFIGS = {64: [(64, 128, 3, "persistent-kt"), (64, 64, 4, "persistent-kt")],
                    128: [(64, 128, 2, "persistent-kt"), (64, 64, 3, "persistent-kt"), (64, 64, 2, "persistent-kt")]}
@@ -53,8 +43,8 @@ DQ_CONFIGS = {64: [(64, 64, 3, "persistent-t"), (64, 32, 4, "persistent-t")],
               128: [(64, 64, 3, "persistent-t"), (64, 64, 2, "persistent-t"), (64, 32, 4, "persistent-t"), (64, 32, 3, "persistent-t")]}
 
 HEAD_DIMS = [int(h) for h in os.environ.get("WS_HEAD_DIMS", "64,128").split(",") if h]   # variants smoked, checked and timed
-for _configs in (FORWARD_CONFIGS, DKDV_CONFIGS, DQ_CONFIGS):
-    for _hd in [h for h in _configs if h not in HEAD_DIMS]: del _configs[_hd]
+FORWARD_CONFIGS, DKDV_CONFIGS, DQ_CONFIGS = ({hd: c for hd, c in configs.items() if hd in HEAD_DIMS}
+                                             for configs in (FORWARD_CONFIGS, DKDV_CONFIGS, DQ_CONFIGS))
 
 # ---- the package's kernels at a variant's tiles ----------------------------------------------------------------------
 # The variants measured in rounds 1 to 8 and no longer here (warp-specialized per query pair "ws", ping-pong "pp" and
@@ -187,7 +177,9 @@ def gpu_main():
                    configs={k: {str(hd): c for hd, c in v[0].items()} for k, v in KERNELS.items()}, rounds=ROUNDS,
                    smoke=[], checks=[], rows=[])
     shapes = [s for s in os.environ.get("WS_SHAPES", "dense1b,rb100m,moe4b,prof183m").split(",") if s]
-    for name in shapes: shape_dims(name)                    # a wrong name stops here, before any compile
+    try:
+        for name in shapes: shape_dims(name)                # a wrong name stops here, before any compile
+    except ValueError as e: sys.exit(f"attention_ws: {e}")
     alive = _smoke_all(payload)
     passed = {kind: _checked(payload, kind, alive[kind]) for kind in KERNELS}
     table = []
