@@ -43,7 +43,8 @@ DQ_CONFIGS = {64: [(64, 64, 3, "persistent-t"), (64, 32, 4, "persistent-t")],
               128: [(64, 64, 3, "persistent-t"), (64, 64, 2, "persistent-t"), (64, 32, 4, "persistent-t"), (64, 32, 3, "persistent-t")]}
 
 HEAD_DIMS = [int(h) for h in os.environ.get("WS_HEAD_DIMS", "64,128").split(",") if h]   # variants smoked, checked and timed
-FORWARD_CONFIGS, DKDV_CONFIGS, DQ_CONFIGS = ({hd: c for hd, c in configs.items() if hd in HEAD_DIMS}
+PACKAGE_TILES_ONLY = os.environ.get("WS_TILES", "all") == "package"   # WS_TILES=package: only the first tile of each list
+FORWARD_CONFIGS, DKDV_CONFIGS, DQ_CONFIGS = ({hd: c[:1] if PACKAGE_TILES_ONLY else c for hd, c in configs.items() if hd in HEAD_DIMS}
                                              for configs in (FORWARD_CONFIGS, DKDV_CONFIGS, DQ_CONFIGS))
 
 # ---- the package's kernels at a variant's tiles ----------------------------------------------------------------------
