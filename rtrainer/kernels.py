@@ -451,6 +451,7 @@ LAUNCH_COUNTS = {"direct": 0, "bound": 0}   # launches by path (tests check that
 DIRECT_LAUNCHES = True      # False: every launch through Triton's binding (experiments measure both)
 
 class _NoKey(Exception): pass
+_BOUND = "bound"          # cached for a key whose launch cannot go direct (a keyword argument that is not a constexpr)
 
 def _arg_key(a):
     "What of a kernel argument a compiled launch may depend on, or more; raises _NoKey for a type it does not know."
@@ -490,12 +491,12 @@ def launch(kernel, grid, *args, **kwargs):
     key = launch_key(kernel, device, args, kwargs)
     try: entry = _LAUNCHES.get(key) if key is not None else None
     except TypeError: key = entry = None                                            # an unhashable keyword value
-    if entry is None:
+    if entry is None or entry is _BOUND:
         compiled = kernel[grid](*args, **kwargs); LAUNCH_COUNTS["bound"] += 1
-        tail = _constant_tail(kernel, len(args), kwargs)
-        if key is not None and tail is not None and compiled is not None:
+        if entry is None and key is not None and compiled is not None:
+            tail = _constant_tail(kernel, len(args), kwargs)                         # once per key: inspect is slow
             if len(_LAUNCHES) >= LAUNCH_CACHE_LIMIT: _LAUNCHES.clear()
-            _LAUNCHES[key] = (compiled.run, compiled.function, compiled.packed_metadata, tail,
+            _LAUNCHES[key] = _BOUND if tail is None else (compiled.run, compiled.function, compiled.packed_metadata, tail,
                               triton.runtime.driver.active.get_current_stream)          # as Triton's launch finds the stream
         return
     run, function, metadata, tail, stream = entry

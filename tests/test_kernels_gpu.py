@@ -160,3 +160,17 @@ def test_launch_direct_path_writes_what_the_bound_path_does(dtype):
             K.check_close(f"launch vecadd {dtype} n={n} off={off} ({path})", out, a.double() + b.double(), 1e-2)
     x = torch.randn(80, device="cuda", dtype=dtype)                     # fresh from the allocator: aligned
     assert K.launch_key(K.vecadd_kernel, 0, (x, x, x, 77), {}) != K.launch_key(K.vecadd_kernel, 0, (x[1:], x, x, 77), {})
+
+def test_launch_remembers_a_key_that_cannot_go_direct(monkeypatch):
+    "A keyword argument that is not a constexpr (n=) binds every launch, right, and the signature is read once per key."
+    monkeypatch.setattr(K, "_LAUNCHES", {})
+    tails, constant_tail = [], K._constant_tail
+    monkeypatch.setattr(K, "_constant_tail", lambda *a: tails.append(a[1:]) or constant_tail(*a))
+    for n in (77, 4097, 77, 4097, 77):
+        a, b = torch.randn(n, device="cuda", dtype=bf16), torch.randn(n, device="cuda", dtype=bf16)
+        out = torch.full((n,), nan, device="cuda", dtype=bf16)
+        before = dict(K.LAUNCH_COUNTS)
+        K.launch(K.vecadd_kernel, (triton.cdiv(n, 256),), a, b, out, n=n, BLOCK=256, num_warps=4)
+        assert K.LAUNCH_COUNTS["direct"] == before["direct"] and K.LAUNCH_COUNTS["bound"] == before["bound"] + 1, n
+        K.check_close(f"launch vecadd n={n} by keyword", out, a.double() + b.double(), 1e-2)
+    assert len(tails) == 2 and set(K._LAUNCHES.values()) == {K._BOUND}, (tails, K._LAUNCHES)
