@@ -5,10 +5,12 @@ import torch
 
 pytestmark = pytest.mark.cuda
 
-def _hopper():
+def _hopper(monkeypatch):
+    "The module, on, with no lengths left to the Triton kernels (TRITON_BELOW), so that every case below runs the Hopper kernels."
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0): pytest.skip("needs an sm_90 GPU")
     import rtrainer.attention_hopper as hopper
-    hopper.ENABLED = True
+    monkeypatch.setattr(hopper, "ENABLED", True)
+    monkeypatch.setattr(hopper, "TRITON_BELOW", {})
     return hopper
 
 CASES = [  # B, T, H, KV, hd
@@ -24,8 +26,8 @@ CASES = [  # B, T, H, KV, hd
 ]
 
 @pytest.mark.parametrize("B,T,H,KV,hd", CASES)
-def test_hopper_attention_parity(B, T, H, KV, hd):
-    hopper = _hopper()
+def test_hopper_attention_parity(B, T, H, KV, hd, monkeypatch):
+    hopper = _hopper(monkeypatch)
     from rtrainer.attention import attention_parity_errors
     hopper.CALLS.clear()
     errors = attention_parity_errors(B, T, H, KV, hd, torch.bfloat16, True, device="cuda")
@@ -35,17 +37,17 @@ def test_hopper_attention_parity(B, T, H, KV, hd):
     assert hopper.CALLS["dkdv"] == (2 if hd == 128 or KV < H else 0)      # head dim 64 without groups keeps Triton's
 
 @pytest.mark.parametrize("B,T,H,KV,hd", [(2, 1000, 12, 4, 64), (1, 777, 16, 16, 128)])
-def test_hopper_in_the_models_rope_attention(B, T, H, KV, hd):
+def test_hopper_in_the_models_rope_attention(B, T, H, KV, hd, monkeypatch):
     "The model's fused RoPE + attention op, whose q, k are views of one rotated buffer and dq a view of dqkv."
-    hopper = _hopper()
+    hopper = _hopper(monkeypatch)
     from rtrainer.attention import rope_attention_errors
     hopper.CALLS.clear()
     error, same = rope_attention_errors(B, T, H, KV, hd, torch.bfloat16, device="cuda")
     assert error < 1e-2 and same, (error, same)
     assert hopper.CALLS["forward"] >= 2 and hopper.CALLS["dkdv"] >= 1     # dk, dv: views of the fused dqkv
 
-def test_hopper_matches_triton_and_declines_what_it_cannot_take():
-    hopper = _hopper()
+def test_hopper_matches_triton_and_declines_what_it_cannot_take(monkeypatch):
+    hopper = _hopper(monkeypatch)
     from rtrainer.attention import flash_attention, fused_qkv_views, relative_error
     q, k, v = fused_qkv_views(2, 600, 8, 4, 128, torch.bfloat16, "cuda")
     do = torch.randn_like(q)
@@ -56,9 +58,9 @@ def test_hopper_matches_triton_and_declines_what_it_cannot_take():
     hopper.CALLS.clear()
     fast = run()
     assert hopper.CALLS["forward"] == 1 and hopper.CALLS["dq"] == 1 and hopper.CALLS["dkdv"] == 1
-    hopper.ENABLED = False
-    try: slow = run()
-    finally: hopper.ENABLED = True
+    monkeypatch.setattr(hopper, "ENABLED", False)
+    slow = run()
+    monkeypatch.setattr(hopper, "ENABLED", True)
     assert hopper.CALLS["forward"] == 1
     assert all(relative_error(a, b) < 1e-2 for a, b in zip(fast, slow))
     for args, why in (((q.half(), k.half(), v.half()), "not bf16"), ((q, k, v, False), "not causal")):
@@ -66,9 +68,31 @@ def test_hopper_matches_triton_and_declines_what_it_cannot_take():
         flash_attention(*args)
         assert hopper.CALLS["forward"] == 0, why
 
-def test_attention_through_direct_launches_repeats_bit_for_bit():
+def test_short_sequences_keep_the_triton_kernels_where_listed(monkeypatch):
+    "TRITON_BELOW on this GPU: below the length listed, the Triton forward and dQ run (the Hopper dK/dV still does); from it, all Hopper."
+    hopper = _hopper(monkeypatch)
+    from rtrainer.attention import flash_attention, fused_qkv_views, relative_error
+    monkeypatch.setattr(hopper, "TRITON_BELOW", {(torch.cuda.get_device_name(), 128): {"forward": 600, "dq": 600}})
+    for T, hopper_calls in ((599, dict(forward=0, dq=0, dkdv=1)), (600, dict(forward=1, dq=1, dkdv=1))):
+        q, k, v = fused_qkv_views(2, T, 8, 4, 128, torch.bfloat16, "cuda")
+        do = torch.randn_like(q)
+        def run():
+            x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+            out = flash_attention(*x)
+            return (out, *torch.autograd.grad(out, x, do))
+        hopper.CALLS.clear()
+        listed = run()
+        assert {kind: hopper.CALLS[kind] for kind in hopper_calls} == hopper_calls, (T, dict(hopper.CALLS))
+        monkeypatch.setattr(hopper, "ENABLED", False)
+        triton_only = run()
+        monkeypatch.setattr(hopper, "ENABLED", True)
+        assert all(relative_error(a, b) < 1e-2 for a, b in zip(listed, triton_only)), T
+    q64 = fused_qkv_views(1, 300, 4, 4, 64, torch.bfloat16, "cuda")[0]
+    assert not hopper.triton_faster("forward", q64) and not hopper.triton_faster("dkdv", q)   # other head dims and kernels: as before
+
+def test_attention_through_direct_launches_repeats_bit_for_bit(monkeypatch):
     "A second forward + backward at the same shapes goes through K.launch's direct path and gives the same bits."
-    _hopper()
+    _hopper(monkeypatch)
     from rtrainer import kernels as K
     from rtrainer.attention import flash_attention, fused_qkv_views
     for H, KV, hd in ((12, 4, 64), (8, 8, 64), (8, 8, 128)):            # the Hopper and the Triton kernels, both head dims
