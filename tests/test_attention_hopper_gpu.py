@@ -36,6 +36,18 @@ def test_hopper_attention_parity(B, T, H, KV, hd, monkeypatch):
     assert hopper.CALLS["forward"] >= 2 and hopper.CALLS["dq"] == (2 if hd in hopper.DQ_TILES else 0)
     assert hopper.CALLS["dkdv"] == (2 if hd == 128 or KV < H else 0)      # head dim 64 without groups keeps Triton's
 
+@pytest.mark.parametrize("B,T,H,KV,hd", [(2, 1000, 12, 4, 64), (1, 777, 16, 16, 128), (3, 300, 6, 2, 128), (2, 513, 6, 6, 64)])
+def test_hopper_attention_in_narrow_sections(B, T, H, KV, hd, monkeypatch):
+    "The tile order in sections of five groups of heads, the last one narrower: every tile still runs once, right."
+    hopper = _hopper(monkeypatch)
+    from rtrainer.attention import attention_parity_errors
+    monkeypatch.setattr(hopper, "section_heads", lambda heads, bytes_per_head, group=1: min(heads, 5 * group))
+    hopper.CALLS.clear()
+    errors = attention_parity_errors(B, T, H, KV, hd, torch.bfloat16, True, device="cuda")
+    assert max(errors.values()) < 1e-2, errors
+    assert hopper.CALLS["forward"] >= 2 and hopper.CALLS["dq"] == (2 if hd in hopper.DQ_TILES else 0)
+    assert hopper.CALLS["dkdv"] == (2 if hd == 128 or KV < H else 0)
+
 @pytest.mark.parametrize("B,T,H,KV,hd", [(2, 1000, 12, 4, 64), (1, 777, 16, 16, 128)])
 def test_hopper_in_the_models_rope_attention(B, T, H, KV, hd, monkeypatch):
     "The model's fused RoPE + attention op, whose q, k are views of one rotated buffer and dq a view of dqkv."
