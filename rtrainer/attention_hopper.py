@@ -6,9 +6,8 @@ Docs: https://example.invalid/rtrainer/rtrainer/attention_hopper.html.md"""
 
 # %% auto #0
 __all__ = ['LOG2E', 'LOADER_REGS', 'CONSUMER_REGS', 'FORWARD_TILES', 'DQ_TILES', 'DKDV_TILES', 'ENABLED', 'CALLS',
-           'L2_SECTION_BYTES', 'TRITON_BELOW', 'hopper_forward_kernel', 'hopper_dq_kernel', 'hopper_dkdv_kernel',
-           'tma_refusal', 'hopper_refusal', 'section_heads', 'hopper_forward', 'hopper_dq', 'hopper_dkdv',
-           'triton_faster']
+           'SECTION_BYTES', 'hopper_forward_kernel', 'hopper_dq_kernel', 'hopper_dkdv_kernel', 'tma_refusal',
+           'hopper_refusal', 'section_heads', 'hopper_forward', 'hopper_dq', 'hopper_dkdv']
 
 # %% ../nbs/02a_attention_hopper.ipynb #d91c67b1
 import collections, functools, os
@@ -559,12 +558,15 @@ def _is_sm90(index): return torch.cuda.get_device_capability(index) == (9, 0)
 @functools.lru_cache
 def _sm_count(index): return torch.cuda.get_device_properties(index).multi_processor_count
 
-L2_SECTION_BYTES = 24 << 20   # the inputs that a section of heads shares (K and V; Q and dO for dK/dV) fit in this; 0: one section
+# Bytes of shared inputs (K and V; Q and dO for dK/dV) that a section of heads in the tile order may hold, by kernel;
+# 0: one section. H100 sweep of 0, 8, 24 and 48 MB (attention_ws, round 14): 24 for the forward and dQ; dK/dV gains
+# little without grouped heads and loses with them.
+SECTION_BYTES = dict(forward=24 << 20, dq=24 << 20, dkdv=0)
 
-def section_heads(heads, bytes_per_head, group=1):
-    "Heads per section of the tile order: as many whole groups as keep their shared inputs within L2_SECTION_BYTES, at least one."
-    if not L2_SECTION_BYTES: return heads
-    return min(heads, max(group, L2_SECTION_BYTES // max(1, bytes_per_head) // group * group))
+def section_heads(kind, heads, bytes_per_head, group=1):
+    "Heads per section of `kind`'s tile order: as many whole groups as keep their shared inputs within SECTION_BYTES, at least one."
+    if not SECTION_BYTES[kind]: return heads
+    return min(heads, max(group, SECTION_BYTES[kind] // max(1, bytes_per_head) // group * group))
 
 @functools.lru_cache
 def _block_layout(rows, hd): return gl.NVMMASharedLayout.get_default_for([rows, hd], gl.bfloat16)
@@ -586,7 +588,7 @@ def hopper_forward(q, k, v, o=None, lse=None, tiles=None):
     programs = min(n_pairs * B * H, _sm_count(q.device.index))
     launch(hopper_forward_kernel, (programs,),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(o, block_m), o, lse, *o.stride()[:3],
-        H, T, group, B * H, section_heads(B * H, 4 * T * hd // group, group), n_pairs, LOG2E / hd ** 0.5,
+        H, T, group, B * H, section_heads("forward", B * H, 4 * T * hd // group, group), n_pairs, LOG2E / hd ** 0.5,
         HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
         REGS=CONSUMER_REGS, num_warps=4)
     CALLS["forward"] += 1
@@ -605,7 +607,7 @@ def hopper_dq(do, q, k, v, o, lse, dq=None, delta=None, tiles=None):
     launch(hopper_dq_kernel, (programs,),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
         _descriptor(o, block_m), _descriptor(dq, block_m), lse, delta, dq, *dq.stride()[:3], H, T, group, B * H,
-        section_heads(B * H, 4 * T * hd // group, group), n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
+        section_heads("dq", B * H, 4 * T * hd // group, group), n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
         REGS=CONSUMER_REGS, num_warps=4)
     CALLS["dq"] += 1
     return dq, delta
@@ -623,7 +625,7 @@ def hopper_dkdv(do, q, k, v, lse, delta, dk=None, dv=None, tiles=None):
     launch(hopper_dkdv_kernel, (programs,),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
         _descriptor(dk, block_n), _descriptor(dv, block_n), lse, delta, dk, dv, *dk.stride()[:3], H, KV, T, H // KV, B * KV,
-        section_heads(B * KV, 4 * T * hd * (H // KV)), n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages,
+        section_heads("dkdv", B * KV, 4 * T * hd * (H // KV)), n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages,
         REGS=CONSUMER_REGS, num_warps=4)
     CALLS["dkdv"] += 1
     return dk, dv
@@ -632,27 +634,13 @@ def hopper_dkdv(do, q, k, v, lse, delta, dk=None, dv=None, tiles=None):
 # attention.py's launchers have checked the outputs' shapes, dtypes and unit last strides; what is left is what the
 # kernels need beyond that: O, dQ, dK and dV written through TMA descriptors, dO and O read through them, lse and δ
 # contiguous.
-# Where a Triton kernel beats the Hopper one, measured (attention_ws, round 13): (a part of the GPU's name, head dim) ->
-# {kernel: the sequence length from which the Hopper kernel runs}. On an H100 at head dim 128 the Hopper forward and dQ
-# ran 0.84-0.88x and 0.90-0.94x of the Triton kernels from T 1024 to 2048, and 1.12x and 1.21x at T 3072.
-TRITON_BELOW = {("H100", 128): {"forward": 3072, "dq": 3072}}
-
-@functools.lru_cache
-def _device_name(index): return torch.cuda.get_device_name(index)
-
-def triton_faster(kernel, q, device_name=None):
-    "Whether TRITON_BELOW leaves `kernel` ('forward', 'dq' or 'dkdv') to the Triton one for q (B, T, H, hd) on this GPU."
-    name = device_name or _device_name(q.device.index)
-    return any(gpu in name and hd == q.shape[-1] and q.shape[1] < lengths.get(kernel, 0)
-               for (gpu, hd), lengths in TRITON_BELOW.items())
-
 def _fast_forward(q, k, v, causal, o, lse):
-    if hopper_refusal(q, k, v, causal) or tma_refusal(o) or not lse.is_contiguous() or triton_faster("forward", q): return None
+    if hopper_refusal(q, k, v, causal) or tma_refusal(o) or not lse.is_contiguous(): return None
     return hopper_forward(q, k, v, o, lse)
 
 def _fast_dq(do, q, k, v, o, lse, causal, dq, delta):
     if (q.shape[-1] not in DQ_TILES or hopper_refusal(q, k, v, causal) or tma_refusal(do) or tma_refusal(o) or tma_refusal(dq)
-            or not lse.is_contiguous() or not delta.is_contiguous() or triton_faster("dq", q)): return None
+            or not lse.is_contiguous() or not delta.is_contiguous()): return None
     return hopper_dq(do, q, k, v, o, lse, dq, delta)
 
 def _fast_dkdv(do, q, k, v, lse, delta, causal, dk, dv):

@@ -6,11 +6,10 @@ import torch
 pytestmark = pytest.mark.cuda
 
 def _hopper(monkeypatch):
-    "The module, on, with no lengths left to the Triton kernels (TRITON_BELOW), so that every case below runs the Hopper kernels."
+    "The module, with the Hopper path on."
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0): pytest.skip("needs an sm_90 GPU")
     import rtrainer.attention_hopper as hopper
     monkeypatch.setattr(hopper, "ENABLED", True)
-    monkeypatch.setattr(hopper, "TRITON_BELOW", {})
     return hopper
 
 CASES = [  # B, T, H, KV, hd
@@ -41,7 +40,7 @@ def test_hopper_attention_in_narrow_sections(B, T, H, KV, hd, monkeypatch):
     "The tile order in sections of five groups of heads, the last one narrower: every tile still runs once, right."
     hopper = _hopper(monkeypatch)
     from rtrainer.attention import attention_parity_errors
-    monkeypatch.setattr(hopper, "section_heads", lambda heads, bytes_per_head, group=1: min(heads, 5 * group))
+    monkeypatch.setattr(hopper, "section_heads", lambda kind, heads, bytes_per_head, group=1: min(heads, 5 * group))
     hopper.CALLS.clear()
     errors = attention_parity_errors(B, T, H, KV, hd, torch.bfloat16, True, device="cuda")
     assert max(errors.values()) < 1e-2, errors
@@ -79,28 +78,6 @@ def test_hopper_matches_triton_and_declines_what_it_cannot_take(monkeypatch):
         hopper.CALLS.clear()
         flash_attention(*args)
         assert hopper.CALLS["forward"] == 0, why
-
-def test_short_sequences_keep_the_triton_kernels_where_listed(monkeypatch):
-    "TRITON_BELOW on this GPU: below the length listed, the Triton forward and dQ run (the Hopper dK/dV still does); from it, all Hopper."
-    hopper = _hopper(monkeypatch)
-    from rtrainer.attention import flash_attention, fused_qkv_views, relative_error
-    monkeypatch.setattr(hopper, "TRITON_BELOW", {(torch.cuda.get_device_name(), 128): {"forward": 600, "dq": 600}})
-    for T, hopper_calls in ((599, dict(forward=0, dq=0, dkdv=1)), (600, dict(forward=1, dq=1, dkdv=1))):
-        q, k, v = fused_qkv_views(2, T, 8, 4, 128, torch.bfloat16, "cuda")
-        do = torch.randn_like(q)
-        def run():
-            x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-            out = flash_attention(*x)
-            return (out, *torch.autograd.grad(out, x, do))
-        hopper.CALLS.clear()
-        listed = run()
-        assert {kind: hopper.CALLS[kind] for kind in hopper_calls} == hopper_calls, (T, dict(hopper.CALLS))
-        monkeypatch.setattr(hopper, "ENABLED", False)
-        triton_only = run()
-        monkeypatch.setattr(hopper, "ENABLED", True)
-        assert all(relative_error(a, b) < 1e-2 for a, b in zip(listed, triton_only)), T
-    q64 = fused_qkv_views(1, 300, 4, 4, 64, torch.bfloat16, "cuda")[0]
-    assert not hopper.triton_faster("forward", q64) and not hopper.triton_faster("dkdv", q)   # other head dims and kernels: as before
 
 def test_attention_through_direct_launches_repeats_bit_for_bit(monkeypatch):
     "A second forward + backward at the same shapes goes through K.launch's direct path and gives the same bits."
