@@ -7,7 +7,8 @@ lines up with P. This script counts it: a tile's work is the number of key block
 pair's position; dK/dV: the query blocks after its key pair), in units of a 128-row block, and the balance of an order
 is the mean program's work over the busiest program's, the fraction of the kernel's time that SMs are busy if every
 tile runs at the same speed. Orders compared: the package's (each program every P-th tile), and the same order given
-out one tile at a time to whichever program is free first (what a tile counter in the kernel would do).
+out one tile at a time to whichever program is free first (what a tile counter in the kernel would do); and, for each
+section size, the width up to it that balances best under the strided order.
 
 `python experiments/attention_tile_balance.py` prints a table and writes experiments/results/attention_tile_balance.json.
 This is an experiment, not part of rtrainer."""
@@ -49,6 +50,10 @@ def greedy_balance(pairs, n_pairs, programs=PROGRAMS):
     done = [busy for busy, _ in free]
     return sum(done) / programs / max(done)
 
+def best_width(n_pairs, heads, widest, whole):
+    "(width, strided balance) of the best balanced section width, whole groups up to `widest` (the widest of equals)."
+    return max(((round(strided_balance(tile_pairs(n_pairs, heads, w), n_pairs), 3), w) for w in range(whole, widest + 1, whole)))[::-1]
+
 def balance_rows():
     rows = []
     for name in SHAPES:
@@ -61,6 +66,7 @@ def balance_rows():
                 pairs = tile_pairs(n_pairs, heads, section)
                 rows.append(dict(shape=name, kernel=kind, section_mb=mb, section_heads=section, heads=heads, tiles=len(pairs),
                                  strided=strided_balance(pairs, n_pairs), greedy=greedy_balance(pairs, n_pairs)))
+                if mb: rows[-1]["best_width"], rows[-1]["best_width_strided"] = best_width(n_pairs, heads, section, whole)
     return rows
 
 if __name__ == "__main__":
@@ -70,7 +76,8 @@ if __name__ == "__main__":
     with open(out, "w") as f:
         json.dump(dict(date=time.strftime("%Y-%m-%d"), commit=commit, programs=PROGRAMS, package_section_bytes=hopper.SECTION_BYTES,
                        method=__doc__.split("\n\n")[1], rows=rows), f, indent=1)
-    print(f"{'shape':10} {'kernel':8} {'MB':>3} {'heads':>11} {'tiles':>5} {'strided':>8} {'greedy':>7}")
+    print(f"{'shape':10} {'kernel':8} {'MB':>3} {'heads':>11} {'tiles':>5} {'strided':>8} {'greedy':>7}  best balanced width")
     for r in rows:
+        best = f"  {r['best_width']:4} heads {r['best_width_strided']:.3f}" if r["section_mb"] else ""
         print(f"{r['shape']:10} {r['kernel']:8} {r['section_mb']:3} {r['section_heads']:>4} of {r['heads']:<4} {r['tiles']:5} "
-              f"{r['strided']:8.3f} {r['greedy']:7.3f}")
+              f"{r['strided']:8.3f} {r['greedy']:7.3f}{best}")
