@@ -62,7 +62,8 @@ def balance_rows():
         for kind, heads, bytes_per_head, whole in (("forward", B * H, 4 * T * hd // group, group),
                                                    ("dkdv", B * KV, 4 * T * hd * group, 1)):
             for mb in SECTIONS_MB:
-                section = min(heads, max(whole, (mb << 20) // bytes_per_head // whole * whole)) if mb else heads
+                hopper.SECTION_BYTES[kind] = mb << 20                      # the package's width for this size
+                section = hopper.section_heads(kind, heads, bytes_per_head, whole)
                 pairs = tile_pairs(n_pairs, heads, section)
                 rows.append(dict(shape=name, kernel=kind, section_mb=mb, section_heads=section, heads=heads, tiles=len(pairs),
                                  strided=strided_balance(pairs, n_pairs), greedy=greedy_balance(pairs, n_pairs)))
@@ -70,11 +71,13 @@ def balance_rows():
     return rows
 
 if __name__ == "__main__":
+    package_sections = dict(hopper.SECTION_BYTES)
     rows = balance_rows()
+    hopper.SECTION_BYTES.update(package_sections)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "attention_tile_balance.json")
     with open(out, "w") as f:
-        json.dump(dict(date=time.strftime("%Y-%m-%d"), commit=commit, programs=PROGRAMS, package_section_bytes=hopper.SECTION_BYTES,
+        json.dump(dict(date=time.strftime("%Y-%m-%d"), commit=commit, programs=PROGRAMS, package_section_bytes=package_sections,
                        method=__doc__.split("\n\n")[1], rows=rows), f, indent=1)
     print(f"{'shape':10} {'kernel':8} {'MB':>3} {'heads':>11} {'tiles':>5} {'strided':>8} {'greedy':>7}  best balanced width")
     for r in rows:
