@@ -43,9 +43,9 @@ DQ_CONFIGS = {64: [(64, 64, 3, "persistent-t"), (64, 32, 4, "persistent-t")],
               128: [(64, 64, 3, "persistent-t"), (64, 64, 2, "persistent-t"), (64, 32, 4, "persistent-t"), (64, 32, 3, "persistent-t")]}
 
 HEAD_DIMS = [int(h) for h in os.environ.get("WS_HEAD_DIMS", "64,128").split(",") if h]   # variants smoked, checked and timed
-# WS_SECTIONS=0,8,24: each variant timed at each of these hopper.SECTION_BYTES, in MB (0: the tile order without sections);
-# unset: the package's
-SECTIONS = [int(s) for s in os.environ.get("WS_SECTIONS", "").split(",") if s] or [None]
+# WS_SECTIONS=0,24,24b: each variant timed at each of these hopper.SECTION_BYTES, in MB (0: the tile order without
+# sections; a trailing b: hopper.BALANCED_SECTIONS, the best balanced width that fits, else the widest); unset: the package's
+SECTIONS = [s for s in os.environ.get("WS_SECTIONS", "").split(",") if s] or [None]
 PACKAGE_TILES_ONLY = os.environ.get("WS_TILES", "all") == "package"   # WS_TILES=package: only the first tile of each list
 FORWARD_CONFIGS, DKDV_CONFIGS, DQ_CONFIGS = ({hd: c[:1] if PACKAGE_TILES_ONLY else c for hd, c in configs.items() if hd in HEAD_DIMS}
                                              for configs in (FORWARD_CONFIGS, DKDV_CONFIGS, DQ_CONFIGS))
@@ -68,9 +68,11 @@ def ws_dq(do, q, k, v, o, lse, variant=0):
     return hopper.hopper_dq(do.contiguous(), q, k, v, o, lse, tiles=DQ_CONFIGS[q.shape[-1]][variant][:3])
 
 
-def _sectioned_launch(kind, a, variant, section_mb):
-    "One launch of a variant with hopper.SECTION_BYTES[kind] at section_mb MB (None: the package's)."
-    if section_mb is not None: hopper.SECTION_BYTES[kind] = section_mb << 20
+def _sectioned_launch(kind, a, variant, section):
+    "One launch of a variant with hopper.SECTION_BYTES[kind] at `section` MB, 'b' for balanced widths (None: the package's)."
+    if section is not None:
+        hopper.SECTION_BYTES[kind] = int(section.rstrip("b")) << 20
+        hopper.BALANCED_SECTIONS = section.endswith("b")
     LAUNCH[kind](a, variant)
 
 def _maxnreg(ptx):
@@ -193,7 +195,7 @@ def gpu_main():
     passed = {kind: _checked(payload, kind, alive[kind]) for kind in KERNELS}
     if len(SECTIONS) > 1:                   # again with sections of 5 groups of heads: most cases then end in a narrower one
         package_sections = hopper.section_heads
-        hopper.section_heads = lambda kind, heads, bytes_per_head, group=1: min(heads, 5 * group)
+        hopper.section_heads = lambda kind, heads, bytes_per_head, n_pairs, programs, group=1: min(heads, 5 * group)
         passed = {kind: passed[kind] & _checked(payload, kind, passed[kind]) for kind in KERNELS}
         hopper.section_heads = package_sections
     table = []

@@ -6,8 +6,9 @@ Docs: https://example.invalid/rtrainer/rtrainer/attention_hopper.html.md"""
 
 # %% auto #0
 __all__ = ['LOG2E', 'LOADER_REGS', 'CONSUMER_REGS', 'FORWARD_TILES', 'DQ_TILES', 'DKDV_TILES', 'ENABLED', 'CALLS',
-           'SECTION_BYTES', 'hopper_forward_kernel', 'hopper_dq_kernel', 'hopper_dkdv_kernel', 'tma_refusal',
-           'hopper_refusal', 'section_heads', 'hopper_forward', 'hopper_dq', 'hopper_dkdv']
+           'SECTION_BYTES', 'BALANCED_SECTIONS', 'hopper_forward_kernel', 'hopper_dq_kernel', 'hopper_dkdv_kernel',
+           'tma_refusal', 'hopper_refusal', 'tile_balance', 'section_heads', 'hopper_forward', 'hopper_dq',
+           'hopper_dkdv']
 
 # %% ../nbs/02a_attention_hopper.ipynb #d91c67b1
 import collections, functools, os
@@ -559,14 +560,31 @@ def _is_sm90(index): return torch.cuda.get_device_capability(index) == (9, 0)
 def _sm_count(index): return torch.cuda.get_device_properties(index).multi_processor_count
 
 # Bytes of shared inputs (K and V; Q and dO for dK/dV) that a section of heads in the tile order may hold, by kernel;
-# 0: one section. H100 sweep of 0, 8, 24 and 48 MB (attention_ws, round 14): 24 for the forward and dQ; dK/dV gains
-# little without grouped heads and loses with them.
-SECTION_BYTES = dict(forward=24 << 20, dq=24 << 20, dkdv=0)
+# 0: one section. H100 sweeps (attention_ws, rounds 14 and 15): 24 MB for all three, in balanced widths; dK/dV lost
+# with the widest widths at grouped heads and gains with balanced ones.
+SECTION_BYTES = dict(forward=24 << 20, dq=24 << 20, dkdv=24 << 20)
+BALANCED_SECTIONS = True      # of the section widths that fit, the one that spreads the work most evenly; False: the widest
 
-def section_heads(kind, heads, bytes_per_head, group=1):
-    "Heads per section of `kind`'s tile order: as many whole groups as keep their shared inputs within SECTION_BYTES, at least one."
+def tile_balance(n_pairs, heads, width, programs):
+    """Mean over the busiest program's work when each of `programs` takes every programs-th tile of the order in
+    sections of `width` heads; a tile's work is the 128-row blocks it visits (its pair's position, the diagonal half)."""
+    t = torch.arange(n_pairs * heads)
+    first = t // (n_pairs * width) * width
+    pair = (t - first * n_pairs) // (heads - first).clamp(max=width)
+    load = torch.zeros(programs, dtype=torch.float64).index_add_(0, t % programs, (n_pairs - pair - 0.5).double())
+    return (load.mean() / load.max()).item()
+
+@functools.lru_cache(maxsize=1024)
+def _balanced_width(heads, widest, group, n_pairs, programs):
+    "The width, whole groups up to `widest`, of the best tile balance (to 0.001; the widest of equals)."
+    return max(range(group, widest + 1, group), key=lambda w: (round(tile_balance(n_pairs, heads, w, programs), 3), w))
+
+def section_heads(kind, heads, bytes_per_head, n_pairs, programs, group=1):
+    """Heads per section of `kind`'s tile order: whole groups whose shared inputs fit in SECTION_BYTES (at least one),
+    the best balanced of those widths if BALANCED_SECTIONS."""
     if not SECTION_BYTES[kind]: return heads
-    return min(heads, max(group, SECTION_BYTES[kind] // max(1, bytes_per_head) // group * group))
+    widest = min(heads, max(group, SECTION_BYTES[kind] // max(1, bytes_per_head) // group * group))
+    return _balanced_width(heads, widest, group, n_pairs, programs) if BALANCED_SECTIONS else widest
 
 @functools.lru_cache
 def _block_layout(rows, hd): return gl.NVMMASharedLayout.get_default_for([rows, hd], gl.bfloat16)
@@ -588,7 +606,8 @@ def hopper_forward(q, k, v, o=None, lse=None, tiles=None):
     programs = min(n_pairs * B * H, _sm_count(q.device.index))
     launch(hopper_forward_kernel, (programs,),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(o, block_m), o, lse, *o.stride()[:3],
-        H, T, group, B * H, section_heads("forward", B * H, 4 * T * hd // group, group), n_pairs, LOG2E / hd ** 0.5,
+        H, T, group, B * H, section_heads("forward", B * H, 4 * T * hd // group, n_pairs, programs, group), n_pairs,
+        LOG2E / hd ** 0.5,
         HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
         REGS=CONSUMER_REGS, num_warps=4)
     CALLS["forward"] += 1
@@ -607,7 +626,7 @@ def hopper_dq(do, q, k, v, o, lse, dq=None, delta=None, tiles=None):
     launch(hopper_dq_kernel, (programs,),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
         _descriptor(o, block_m), _descriptor(dq, block_m), lse, delta, dq, *dq.stride()[:3], H, T, group, B * H,
-        section_heads("dq", B * H, 4 * T * hd // group, group), n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
+        section_heads("dq", B * H, 4 * T * hd // group, n_pairs, programs, group), n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
         REGS=CONSUMER_REGS, num_warps=4)
     CALLS["dq"] += 1
     return dq, delta
@@ -625,7 +644,7 @@ def hopper_dkdv(do, q, k, v, lse, delta, dk=None, dv=None, tiles=None):
     launch(hopper_dkdv_kernel, (programs,),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
         _descriptor(dk, block_n), _descriptor(dv, block_n), lse, delta, dk, dv, *dk.stride()[:3], H, KV, T, H // KV, B * KV,
-        section_heads("dkdv", B * KV, 4 * T * hd * (H // KV)), n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages,
+        section_heads("dkdv", B * KV, 4 * T * hd * (H // KV), n_pairs, programs), n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages,
         REGS=CONSUMER_REGS, num_warps=4)
     CALLS["dkdv"] += 1
     return dk, dv
