@@ -53,8 +53,7 @@ def parts_at(B, H, KV, T, hd):
     bm, bn, st = FORWARD_TILES[hd]
     programs = min(triton.cdiv(T, 2 * bm) * B * H, _sm_count(0))
     fwd_args = (_descriptor(qd, bm), _descriptor(kd, bn), _descriptor(vd, bn), _descriptor(o, bm), o, lse, *o.stride()[:3],
-                H, T, H // KV, B * H, hopper.section_heads("forward", B * H, 4 * T * hd // (H // KV), triton.cdiv(T, 2 * bm), programs, H // KV),
-                triton.cdiv(T, 2 * bm),
+                H, T, H // KV, B * H, hopper.section_heads("forward", B, T, H, KV, hd, triton.cdiv(T, 2 * bm), programs), triton.cdiv(T, 2 * bm),
                 LOG2E / hd ** 0.5)
     fwd_kw = dict(HEAD_DIM=hd, BLOCK_M=bm, BLOCK_N=bn, STAGES=st, REGS=CONSUMER_REGS, num_warps=4)
     jit_launch = lambda: hopper.hopper_forward_kernel[(programs,)](*fwd_args, **fwd_kw)

@@ -59,12 +59,11 @@ def balance_rows():
     for name in SHAPES:
         B, H, KV, T, hd = shape_dims(name)
         group, n_pairs = H // KV, math.ceil(T / PAIR_ROWS)
-        for kind, heads, bytes_per_head, whole in (("forward", B * H, 4 * T * hd // group, group),
-                                                   ("dkdv", B * KV, 4 * T * hd * group, 1)):
+        for kind, heads, whole in (("forward", B * H, group), ("dkdv", B * KV, 1)):
             for mb in SECTIONS_MB:
                 hopper.SECTION_BYTES[kind] = mb << 20                      # the package's width for this size
                 hopper.BALANCED_SECTIONS = False                                 # the widest, as measured in round 14
-                section = hopper.section_heads(kind, heads, bytes_per_head, n_pairs, PROGRAMS, whole)
+                section = hopper.section_heads(kind, B, T, H, KV, hd, n_pairs, PROGRAMS)
                 pairs = tile_pairs(n_pairs, heads, section)
                 rows.append(dict(shape=name, kernel=kind, section_mb=mb, section_heads=section, heads=heads, tiles=len(pairs),
                                  strided=strided_balance(pairs, n_pairs), greedy=greedy_balance(pairs, n_pairs)))

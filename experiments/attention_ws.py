@@ -195,7 +195,7 @@ def gpu_main():
     passed = {kind: _checked(payload, kind, alive[kind]) for kind in KERNELS}
     if len(SECTIONS) > 1:                   # again with sections of 5 groups of heads: most cases then end in a narrower one
         package_sections = hopper.section_heads
-        hopper.section_heads = lambda kind, heads, bytes_per_head, n_pairs, programs, group=1: min(heads, 5 * group)
+        hopper.section_heads = lambda kind, B, T, H, KV, hd, n_pairs, programs: min(B * KV, 5) if kind == "dkdv" else min(B * H, 5 * (H // KV))
         passed = {kind: passed[kind] & _checked(payload, kind, passed[kind]) for kind in KERNELS}
         hopper.section_heads = package_sections
     table = []

@@ -579,11 +579,13 @@ def _balanced_width(heads, widest, group, n_pairs, programs):
     "The width, whole groups up to `widest`, of the best tile balance (to 0.001; the widest of equals)."
     return max(range(group, widest + 1, group), key=lambda w: (round(tile_balance(n_pairs, heads, w, programs), 3), w))
 
-def section_heads(kind, heads, bytes_per_head, n_pairs, programs, group=1):
-    """Heads per section of `kind`'s tile order: whole groups whose shared inputs fit in SECTION_BYTES (at least one),
-    the best balanced of those widths if BALANCED_SECTIONS."""
+def section_heads(kind, B, T, H, KV, hd, n_pairs, programs):
+    """Heads per section of `kind`'s tile order (query heads for the forward and dQ, KV heads for dK/dV): whole groups
+    whose shared inputs fit in SECTION_BYTES (at least one), the best balanced of those widths if BALANCED_SECTIONS."""
+    if kind == "dkdv": heads, group, shared = B * KV, 1, 4 * T * hd * (H // KV)   # bf16 Q and dO of a KV head's group
+    else: heads, group, shared = B * H, H // KV, 4 * T * hd // (H // KV)          # bf16 K and V, per query head of a group
     if not SECTION_BYTES[kind]: return heads
-    widest = min(heads, max(group, SECTION_BYTES[kind] // max(1, bytes_per_head) // group * group))
+    widest = min(heads, max(group, SECTION_BYTES[kind] // max(1, shared) // group * group))
     return _balanced_width(heads, widest, group, n_pairs, programs) if BALANCED_SECTIONS else widest
 
 @functools.lru_cache
@@ -606,8 +608,7 @@ def hopper_forward(q, k, v, o=None, lse=None, tiles=None):
     programs = min(n_pairs * B * H, _sm_count(q.device.index))
     launch(hopper_forward_kernel, (programs,),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(o, block_m), o, lse, *o.stride()[:3],
-        H, T, group, B * H, section_heads("forward", B * H, 4 * T * hd // group, n_pairs, programs, group), n_pairs,
-        LOG2E / hd ** 0.5,
+        H, T, group, B * H, section_heads("forward", B, T, H, k.shape[2], hd, n_pairs, programs), n_pairs, LOG2E / hd ** 0.5,
         HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
         REGS=CONSUMER_REGS, num_warps=4)
     CALLS["forward"] += 1
@@ -626,7 +627,7 @@ def hopper_dq(do, q, k, v, o, lse, dq=None, delta=None, tiles=None):
     launch(hopper_dq_kernel, (programs,),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
         _descriptor(o, block_m), _descriptor(dq, block_m), lse, delta, dq, *dq.stride()[:3], H, T, group, B * H,
-        section_heads("dq", B * H, 4 * T * hd // group, n_pairs, programs, group), n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
+        section_heads("dq", B, T, H, k.shape[2], hd, n_pairs, programs), n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
         REGS=CONSUMER_REGS, num_warps=4)
     CALLS["dq"] += 1
     return dq, delta
@@ -644,7 +645,7 @@ def hopper_dkdv(do, q, k, v, lse, delta, dk=None, dv=None, tiles=None):
     launch(hopper_dkdv_kernel, (programs,),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
         _descriptor(dk, block_n), _descriptor(dv, block_n), lse, delta, dk, dv, *dk.stride()[:3], H, KV, T, H // KV, B * KV,
-        section_heads("dkdv", B * KV, 4 * T * hd * (H // KV), n_pairs, programs), n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages,
+        section_heads("dkdv", B, T, H, KV, hd, n_pairs, programs), n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages,
         REGS=CONSUMER_REGS, num_warps=4)
     CALLS["dkdv"] += 1
     return dk, dv

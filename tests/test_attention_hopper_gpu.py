@@ -40,7 +40,7 @@ def test_hopper_attention_in_narrow_sections(B, T, H, KV, hd, monkeypatch):
     "The tile order in sections of five groups of heads, the last one narrower: every tile still runs once, right."
     hopper = _hopper(monkeypatch)
     from rtrainer.attention import attention_parity_errors
-    monkeypatch.setattr(hopper, "section_heads", lambda kind, heads, bytes_per_head, n_pairs, programs, group=1: min(heads, 5 * group))
+    monkeypatch.setattr(hopper, "section_heads", lambda kind, B, T, H, KV, hd, n_pairs, programs: min(B * KV, 5) if kind == "dkdv" else min(B * H, 5 * (H // KV)))
     hopper.CALLS.clear()
     errors = attention_parity_errors(B, T, H, KV, hd, torch.bfloat16, True, device="cuda")
     assert max(errors.values()) < 1e-2, errors
