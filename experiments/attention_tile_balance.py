@@ -7,8 +7,10 @@ lines up with P. This script counts it: a tile's work is the number of key block
 pair's position; dK/dV: the query blocks after its key pair), in units of a 128-row block, and the balance of an order
 is the mean program's work over the busiest program's, the fraction of the kernel's time that SMs are busy if every
 tile runs at the same speed. Orders compared: the package's (each program every P-th tile), and the same order given
-out one tile at a time to whichever program is free first (what a tile counter in the kernel would do); and, for each
-section size, the width up to it that balances best under the strided order.
+out one tile at a time to whichever program is free first (what a tile counter in the kernel would do), and a table
+order built on the host (each program still takes as many tiles as strided, but each round of P tiles goes heaviest
+first to the least loaded programs: what a tile table the kernel reads would do); and, for each section size, the width
+up to it that balances best under the strided order.
 
 `python experiments/attention_tile_balance.py` prints a table and writes experiments/results/attention_tile_balance.json.
 This is an experiment, not part of rtrainer."""
@@ -19,7 +21,7 @@ from rtrainer import attention_hopper as hopper
 
 PROGRAMS = 132                 # SMs of an H100 SXM or H200
 PAIR_ROWS = 128                # rows of a tile: two consumers' 64
-SHAPES = ("rb100m", "prof183m", "dense1b", "moe4b", "h128T2048", "T4096")
+SHAPES = ("rb100m", "prof183m", "dense1b", "moe4b", "h128T2048", "T4096", "T8192", "h128T4096", "h128T8192")
 SECTIONS_MB = (0, 8, 24, 48)
 
 def tile_pairs(n_pairs, heads, section):
@@ -50,6 +52,14 @@ def greedy_balance(pairs, n_pairs, programs=PROGRAMS):
     done = [busy for busy, _ in free]
     return sum(done) / programs / max(done)
 
+def table_balance(pairs, n_pairs, programs=PROGRAMS):
+    "The same, in rounds of `programs` tiles: each round's tiles, heaviest first, to the least loaded programs so far."
+    load = [0.0] * programs
+    for r in range(0, len(pairs), programs):
+        tiles = sorted((work(n_pairs, pair) for pair in pairs[r:r + programs]), reverse=True)
+        for w, p in zip(tiles, sorted(range(programs), key=load.__getitem__)): load[p] += w
+    return sum(load) / programs / max(load)
+
 def best_width(n_pairs, heads, widest, whole):
     "(width, strided balance) of the best balanced section width, whole groups up to `widest` (the widest of equals)."
     return max(((round(strided_balance(tile_pairs(n_pairs, heads, w), n_pairs), 3), w) for w in range(whole, widest + 1, whole)))[::-1]
@@ -66,7 +76,8 @@ def balance_rows():
                 section = hopper.section_heads(kind, B, T, H, KV, hd, n_pairs, PROGRAMS)
                 pairs = tile_pairs(n_pairs, heads, section)
                 rows.append(dict(shape=name, kernel=kind, section_mb=mb, section_heads=section, heads=heads, tiles=len(pairs),
-                                 strided=strided_balance(pairs, n_pairs), greedy=greedy_balance(pairs, n_pairs)))
+                                 strided=strided_balance(pairs, n_pairs), greedy=greedy_balance(pairs, n_pairs),
+                                 table=table_balance(pairs, n_pairs)))
                 if mb: rows[-1]["best_width"], rows[-1]["best_width_strided"] = best_width(n_pairs, heads, section, whole)
     return rows
 
@@ -79,8 +90,8 @@ if __name__ == "__main__":
     with open(out, "w") as f:
         json.dump(dict(date=time.strftime("%Y-%m-%d"), commit=commit, programs=PROGRAMS, package_section_bytes=package_sections,
                        method=__doc__.split("\n\n")[1], rows=rows), f, indent=1)
-    print(f"{'shape':10} {'kernel':8} {'MB':>3} {'heads':>11} {'tiles':>5} {'strided':>8} {'greedy':>7}  best balanced width")
+    print(f"{'shape':10} {'kernel':8} {'MB':>3} {'heads':>11} {'tiles':>5} {'strided':>8} {'greedy':>7} {'table':>6}  best balanced width")
     for r in rows:
         best = f"  {r['best_width']:4} heads {r['best_width_strided']:.3f}" if r["section_mb"] else ""
         print(f"{r['shape']:10} {r['kernel']:8} {r['section_mb']:3} {r['section_heads']:>4} of {r['heads']:<4} {r['tiles']:5} "
-              f"{r['strided']:8.3f} {r['greedy']:7.3f}{best}")
+              f"{r['strided']:8.3f} {r['greedy']:7.3f} {r['table']:6.3f}{best}")

@@ -576,8 +576,11 @@ def tile_balance(n_pairs, heads, width, programs):
 
 @functools.lru_cache(maxsize=1024)
 def _balanced_width(heads, widest, group, n_pairs, programs):
-    "The width, whole groups up to `widest`, of the best tile balance (to 0.001; the widest of equals)."
-    return max(range(group, widest + 1, group), key=lambda w: (round(tile_balance(n_pairs, heads, w, programs), 3), w))
+    """The width, whole groups up to `widest`, of the best tile balance (to 0.001; the widest of equals); all heads in
+    one section if that balances more than 1% better (few heads of long sequences: the L2 cannot make up for it)."""
+    balance = lambda w: round(tile_balance(n_pairs, heads, w, programs), 3)
+    best = max(range(group, widest + 1, group), key=lambda w: (balance(w), w))
+    return heads if balance(heads) > 1.01 * balance(best) else best
 
 def section_heads(kind, B, T, H, KV, hd, n_pairs, programs):
     """Heads per section of `kind`'s tile order (query heads for the forward and dQ, KV heads for dK/dV): whole groups
