@@ -43,8 +43,9 @@ DQ_CONFIGS = {64: [(64, 64, 3, "persistent-t"), (64, 32, 4, "persistent-t")],
               128: [(64, 64, 3, "persistent-t"), (64, 64, 2, "persistent-t"), (64, 32, 4, "persistent-t"), (64, 32, 3, "persistent-t")]}
 
 HEAD_DIMS = [int(h) for h in os.environ.get("WS_HEAD_DIMS", "64,128").split(",") if h]   # variants smoked, checked and timed
-# WS_SECTIONS=0,24,24b: each variant timed at each of these hopper.SECTION_BYTES, in MB (0: the tile order without
-# sections; a trailing b: hopper.BALANCED_SECTIONS, the best balanced width that fits, else the widest); unset: the package's
+# WS_SECTIONS=0,24,24b,24bt: each variant timed at each of these hopper.SECTION_BYTES, in MB (0: the tile order without
+# sections; b: hopper.BALANCED_SECTIONS, the best balanced width that fits, else the widest; t: hopper.TILE_TABLE, dK/dV
+# from a host-built table where that balances better, else computed); unset: the package's
 SECTIONS = [s for s in os.environ.get("WS_SECTIONS", "").split(",") if s] or [None]
 PACKAGE_TILES_ONLY = os.environ.get("WS_TILES", "all") == "package"   # WS_TILES=package: only the first tile of each list
 FORWARD_CONFIGS, DKDV_CONFIGS, DQ_CONFIGS = ({hd: c[:1] if PACKAGE_TILES_ONLY else c for hd, c in configs.items() if hd in HEAD_DIMS}
@@ -69,10 +70,11 @@ def ws_dq(do, q, k, v, o, lse, variant=0):
 
 
 def _sectioned_launch(kind, a, variant, section):
-    "One launch of a variant with hopper.SECTION_BYTES[kind] at `section` MB, 'b' for balanced widths (None: the package's)."
+    "One launch of a variant with hopper.SECTION_BYTES[kind] at `section` MB, b: balanced widths, t: dK/dV tables (None: the package's)."
     if section is not None:
-        hopper.SECTION_BYTES[kind] = int(section.rstrip("b")) << 20
-        hopper.BALANCED_SECTIONS = section.endswith("b")
+        hopper.SECTION_BYTES[kind] = int(section.rstrip("bt")) << 20
+        hopper.BALANCED_SECTIONS = "b" in section
+        hopper.TILE_TABLE = "t" in section
     LAUNCH[kind](a, variant)
 
 def _maxnreg(ptx):

@@ -6,9 +6,9 @@ Docs: https://example.invalid/rtrainer/rtrainer/attention_hopper.html.md"""
 
 # %% auto #0
 __all__ = ['LOG2E', 'LOADER_REGS', 'CONSUMER_REGS', 'FORWARD_TILES', 'DQ_TILES', 'DKDV_TILES', 'ENABLED', 'CALLS',
-           'SECTION_BYTES', 'BALANCED_SECTIONS', 'hopper_forward_kernel', 'hopper_dq_kernel', 'hopper_dkdv_kernel',
-           'tma_refusal', 'hopper_refusal', 'tile_balance', 'section_heads', 'hopper_forward', 'hopper_dq',
-           'hopper_dkdv']
+           'SECTION_BYTES', 'BALANCED_SECTIONS', 'TILE_TABLE', 'hopper_forward_kernel', 'hopper_dq_kernel',
+           'hopper_dkdv_kernel', 'tma_refusal', 'hopper_refusal', 'tile_balance', 'tile_table', 'section_heads',
+           'hopper_forward', 'hopper_dq', 'hopper_dkdv']
 
 # %% ../nbs/02a_attention_hopper.ipynb #d91c67b1
 import collections, functools, os
@@ -68,6 +68,14 @@ def _sectioned(t, n_pairs, heads, HEADS):
     width = gl.minimum(HEADS, heads - first)          # the last section may be narrower
     r = t - first * n_pairs
     return r // width, first + r % width
+
+@gluon.jit
+def _ordered(t, ORDER, TABLE: gl.constexpr):
+    "The tile a program runs at position t of the order: t itself, or the host-built table's entry (TABLE)."
+    s = t
+    if TABLE:
+        s = gl.load(ORDER + t)
+    return s
 
 @gluon.jit
 def _tile(t, n_pairs, BH, HEADS, H, GROUP, BLOCK_M: gl.constexpr):
@@ -377,13 +385,13 @@ def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, LSE, DELT
 # %% ../nbs/02a_attention_hopper.ipynb #88195bba
 @gluon.jit
 def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, q_bar, do_bar, free_bar,
-                 KV, T, GROUP, BKV, HEADS, n_pairs, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                 STAGES: gl.constexpr):
+                 KV, T, GROUP, BKV, HEADS, ORDER, n_pairs, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                 STAGES: gl.constexpr, TABLE: gl.constexpr):
     "The loader warp: each tile's two K and V blocks once both consumers are done with the last ones, then Q and dO blocks."
     it = 0                                            # query blocks loaded so far: ring slot and phase
     tc = 0                                            # tiles so far: the K/V buffers' phase
     for t in range(gl.program_id(0), n_pairs * BKV, gl.num_programs(0)):
-        p, bkv = _sectioned(t, n_pairs, BKV, HEADS)
+        p, bkv = _sectioned(_ordered(t, ORDER, TABLE), n_pairs, BKV, HEADS)
         start_n = p * 2 * BLOCK_N
         b = bkv // KV
         kvh = bkv % KV
@@ -450,8 +458,9 @@ def _dkdv_step(u, it, first_i, n_i, start_n, k_pos, k_tile, v_tile, q_smem, do_s
 # %% ../nbs/02a_attention_hopper.ipynb #75819d87
 @gluon.jit
 def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, out_smem, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar,
-                   LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, HEADS, n_pairs, scale_log2, sm_scale,
-                   C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+                   LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, HEADS, ORDER, n_pairs, scale_log2,
+                   sm_scale, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                   STAGES: gl.constexpr, TABLE: gl.constexpr):
     "Consumer C: keys C*BLOCK_N .. of every tile's pair; dK and dV leave by TMA store (masked stores on a ragged last block)."
     NW: gl.constexpr = 4
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16])
@@ -464,7 +473,7 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, out_smem, dk_desc, dv_desc, 
     it = 0
     tc = 0
     for t in range(gl.program_id(0), n_pairs * BKV, gl.num_programs(0)):
-        p, bkv = _sectioned(t, n_pairs, BKV, HEADS)
+        p, bkv = _sectioned(_ordered(t, ORDER, TABLE), n_pairs, BKV, HEADS)
         pair_n = p * 2 * BLOCK_N
         start_n = pair_n + C * BLOCK_N
         b = bkv // KV
@@ -502,9 +511,9 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, out_smem, dk_desc, dv_desc, 
 
 @gluon.jit
 def hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh,
-                       H, KV, T, GROUP, BKV, HEADS, n_pairs, scale_log2, sm_scale,
+                       H, KV, T, GROUP, BKV, HEADS, ORDER, n_pairs, scale_log2, sm_scale,
                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                       REGS: gl.constexpr, num_warps: gl.constexpr):
+                       TABLE: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
     "Persistent dK/dV: one program per SM over (key pair, batch x KV head) tiles, the pairs with most query blocks first."
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, BLOCK_N, HEAD_DIM], v_desc.layout)
@@ -519,13 +528,13 @@ def hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, D
     free_bar = _barriers(STAGES, 2)
     gl.warp_specialize([
         (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, out0, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar,
-                          LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, HEADS, n_pairs, scale_log2,
-                          sm_scale, 0, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES)),
+                          LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, HEADS, ORDER, n_pairs,
+                          scale_log2, sm_scale, 0, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, TABLE)),
         (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, out1, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar,
-                          LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, HEADS, n_pairs, scale_log2,
-                          sm_scale, 1, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES)),
+                          LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, HEADS, ORDER, n_pairs,
+                          scale_log2, sm_scale, 1, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, TABLE)),
         (_dkdv_loader, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, q_bar, do_bar, free_bar,
-                        KV, T, GROUP, BKV, HEADS, n_pairs, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES)),
+                        KV, T, GROUP, BKV, HEADS, ORDER, n_pairs, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, TABLE)),
     ], [4, 1], [REGS, LOADER_REGS])
 
 # %% ../nbs/02a_attention_hopper.ipynb #0948c8bc
@@ -565,14 +574,35 @@ def _sm_count(index): return torch.cuda.get_device_properties(index).multi_proce
 SECTION_BYTES = dict(forward=24 << 20, dq=24 << 20, dkdv=24 << 20)
 BALANCED_SECTIONS = True      # of the section widths that fit, the one that spreads the work most evenly; False: the widest
 
-def tile_balance(n_pairs, heads, width, programs):
-    """Mean over the busiest program's work when each of `programs` takes every programs-th tile of the order in
-    sections of `width` heads; a tile's work is the 128-row blocks it visits (its pair's position, the diagonal half)."""
+TILE_TABLE = True             # dK/dV: a host-built table order where it balances more than 1% better than the computed one
+
+def _tile_work(n_pairs, heads, width):
+    "Work of each tile of the order in sections of `width` heads: the 128-row blocks it visits (its pair's, the diagonal half)."
     t = torch.arange(n_pairs * heads)
     first = t // (n_pairs * width) * width
     pair = (t - first * n_pairs) // (heads - first).clamp(max=width)
-    load = torch.zeros(programs, dtype=torch.float64).index_add_(0, t % programs, (n_pairs - pair - 0.5).double())
+    return (n_pairs - pair - 0.5).double()
+
+def tile_balance(n_pairs, heads, width, programs, order=None):
+    """Mean over the busiest program's work when each of `programs` takes every programs-th position of the order in
+    sections of `width` heads (position t running tile `order[t]` when a table is given)."""
+    work = _tile_work(n_pairs, heads, width)
+    if order is not None: work = work[order.long()]
+    load = torch.zeros(programs, dtype=torch.float64).index_add_(0, torch.arange(len(work)) % programs, work)
     return (load.mean() / load.max()).item()
+
+def tile_table(n_pairs, heads, width, programs):
+    """int32 table of the order in sections of `width` heads: position t runs tile table[t]. Each round of `programs`
+    positions holds the same tiles as the computed order, heaviest first to the least loaded programs so far."""
+    work = _tile_work(n_pairs, heads, width)
+    table, load = torch.empty(len(work), dtype=torch.int32), torch.zeros(programs, dtype=torch.float64)
+    for r in range(0, len(work), programs):
+        n = min(programs, len(work) - r)                     # the last round: programs 0 .. n-1
+        tiles = r + torch.argsort(work[r:r + n], descending=True, stable=True)
+        progs = torch.argsort(load[:n], stable=True)
+        table[r + progs] = tiles.int()
+        load[progs] += work[tiles]
+    return table
 
 @functools.lru_cache(maxsize=1024)
 def _balanced_width(heads, widest, group, n_pairs, programs):
@@ -582,14 +612,35 @@ def _balanced_width(heads, widest, group, n_pairs, programs):
     best = max(range(group, widest + 1, group), key=lambda w: (balance(w), w))
     return heads if balance(heads) > 1.01 * balance(best) else best
 
+def _widest_section(kind, B, T, H, KV, hd):
+    "(heads, group, widest): `kind`'s heads in the order, whole groups of them, and the most whose shared inputs fit."
+    if kind == "dkdv": heads, group, shared = B * KV, 1, 4 * T * hd * (H // KV)   # bf16 Q and dO of a KV head's group
+    else: heads, group, shared = B * H, H // KV, 4 * T * hd // (H // KV)          # bf16 K and V, per query head of a group
+    if not SECTION_BYTES[kind]: return heads, group, heads
+    return heads, group, min(heads, max(group, SECTION_BYTES[kind] // max(1, shared) // group * group))
+
 def section_heads(kind, B, T, H, KV, hd, n_pairs, programs):
     """Heads per section of `kind`'s tile order (query heads for the forward and dQ, KV heads for dK/dV): whole groups
     whose shared inputs fit in SECTION_BYTES (at least one), the best balanced of those widths if BALANCED_SECTIONS."""
-    if kind == "dkdv": heads, group, shared = B * KV, 1, 4 * T * hd * (H // KV)   # bf16 Q and dO of a KV head's group
-    else: heads, group, shared = B * H, H // KV, 4 * T * hd // (H // KV)          # bf16 K and V, per query head of a group
-    if not SECTION_BYTES[kind]: return heads
-    widest = min(heads, max(group, SECTION_BYTES[kind] // max(1, shared) // group * group))
-    return _balanced_width(heads, widest, group, n_pairs, programs) if BALANCED_SECTIONS else widest
+    heads, group, widest = _widest_section(kind, B, T, H, KV, hd)
+    if widest == heads or not BALANCED_SECTIONS: return widest
+    return _balanced_width(heads, widest, group, n_pairs, programs)
+
+def _dkdv_plan(B, T, H, KV, hd, n_pairs, programs, device):
+    """(section width, table or None) of the dK/dV order: the widest width that fits with a table where that balances
+    more than 1% better than section_heads' width without one (few KV heads of long sequences)."""
+    width = section_heads("dkdv", B, T, H, KV, hd, n_pairs, programs)
+    if not TILE_TABLE: return width, None
+    heads, _, widest = _widest_section("dkdv", B, T, H, KV, hd)
+    table = _better_table(n_pairs, heads, width, widest, programs, device)
+    return (width, None) if table is None else (widest, table)
+
+@functools.lru_cache(maxsize=256)
+def _better_table(n_pairs, heads, width, widest, programs, device):
+    "The table of the order in sections of `widest` heads, on `device`, if it balances more than 1% better than `width` without."
+    table = tile_table(n_pairs, heads, widest, programs)
+    if tile_balance(n_pairs, heads, widest, programs, table) <= 1.01 * tile_balance(n_pairs, heads, width, programs): return None
+    return table.to(device)
 
 @functools.lru_cache
 def _block_layout(rows, hd): return gl.NVMMASharedLayout.get_default_for([rows, hd], gl.bfloat16)
@@ -645,10 +696,12 @@ def hopper_dkdv(do, q, k, v, lse, delta, dk=None, dv=None, tiles=None):
     dv = torch.empty_like(dk) if dv is None else dv
     n_pairs = triton.cdiv(T, 2 * block_n)
     programs = min(n_pairs * B * KV, _sm_count(q.device.index))
+    width, table = _dkdv_plan(B, T, H, KV, hd, n_pairs, programs, q.device)
     launch(hopper_dkdv_kernel, (programs,),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
         _descriptor(dk, block_n), _descriptor(dv, block_n), lse, delta, dk, dv, *dk.stride()[:3], H, KV, T, H // KV, B * KV,
-        section_heads("dkdv", B, T, H, KV, hd, n_pairs, programs), n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages,
+        width, table or lse, n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_N=block_n, BLOCK_M=block_m,
+        STAGES=stages, TABLE=table is not None,
         REGS=CONSUMER_REGS, num_warps=4)
     CALLS["dkdv"] += 1
     return dk, dv

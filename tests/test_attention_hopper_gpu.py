@@ -41,11 +41,27 @@ def test_hopper_attention_in_narrow_sections(B, T, H, KV, hd, monkeypatch):
     hopper = _hopper(monkeypatch)
     from rtrainer.attention import attention_parity_errors
     monkeypatch.setattr(hopper, "section_heads", lambda kind, B, T, H, KV, hd, n_pairs, programs: min(B * KV, 5) if kind == "dkdv" else min(B * H, 5 * (H // KV)))
+    monkeypatch.setattr(hopper, "TILE_TABLE", False)
     hopper.CALLS.clear()
     errors = attention_parity_errors(B, T, H, KV, hd, torch.bfloat16, True, device="cuda")
     assert max(errors.values()) < 1e-2, errors
     assert hopper.CALLS["forward"] >= 2 and hopper.CALLS["dq"] == (2 if hd in hopper.DQ_TILES else 0)
     assert hopper.CALLS["dkdv"] == (2 if hd == 128 or KV < H else 0)
+
+@pytest.mark.parametrize("B,T,H,KV,hd", [(2, 4099, 12, 4, 64), (4, 3000, 8, 8, 128), (1, 300, 6, 2, 128)])
+def test_hopper_dkdv_in_a_table_order(B, T, H, KV, hd, monkeypatch):
+    "dK/dV taking its tiles from a host-built table (sections of five KV heads, the last narrower): every tile once, right."
+    hopper = _hopper(monkeypatch)
+    from rtrainer.attention import attention_parity_errors
+    plans = []
+    def plan(B, T, H, KV, hd, n_pairs, programs, device):
+        plans.append(width := min(B * KV, 5))
+        return width, hopper.tile_table(n_pairs, B * KV, width, programs).to(device)
+    monkeypatch.setattr(hopper, "_dkdv_plan", plan)
+    hopper.CALLS.clear()
+    errors = attention_parity_errors(B, T, H, KV, hd, torch.bfloat16, True, device="cuda")
+    assert max(errors.values()) < 1e-2, errors
+    assert hopper.CALLS["dkdv"] == 2 and len(plans) == 2
 
 @pytest.mark.parametrize("B,T,H,KV,hd", [(2, 1000, 12, 4, 64), (1, 777, 16, 16, 128)])
 def test_hopper_in_the_models_rope_attention(B, T, H, KV, hd, monkeypatch):
