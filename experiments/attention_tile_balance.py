@@ -24,45 +24,18 @@ PAIR_ROWS = 128                # rows of a tile: two consumers' 64
 SHAPES = ("rb100m", "prof183m", "dense1b", "moe4b", "h128T2048", "T4096", "T8192", "h128T4096", "h128T8192")
 SECTIONS_MB = (0, 8, 24, 48)
 
-def tile_pairs(n_pairs, heads, section):
-    "Pair index (0: most work) of every tile, in the kernels' order: sections of `section` heads, pair by pair within one."
-    pairs = []
-    for t in range(n_pairs * heads):
-        first = t // (n_pairs * section) * section
-        width = min(section, heads - first)
-        pairs.append((t - first * n_pairs) // width)
-    return pairs
-
-def work(n_pairs, pair):
-    "Key blocks (forward, dQ) or query blocks (dK/dV) of a tile, in 128-row blocks; the diagonal block counts half."
-    return n_pairs - pair - 0.5
-
-def strided_balance(pairs, n_pairs, programs=PROGRAMS):
-    "Mean over busiest program's work when program p takes tiles p, p + programs, ..."
-    load = [0.0] * programs
-    for t, pair in enumerate(pairs): load[t % programs] += work(n_pairs, pair)
-    return sum(load) / programs / max(load)
-
-def greedy_balance(pairs, n_pairs, programs=PROGRAMS):
-    "The same, each tile in order to the program that is free first."
+def greedy_balance(n_pairs, heads, section, programs=PROGRAMS):
+    "Mean over the busiest program's work when each tile of the order goes to the program that is free first."
     free = [(0.0, p) for p in range(programs)]
-    for pair in pairs:
+    for work in hopper._tile_work(n_pairs, heads, section).tolist():
         busy, p = heapq.heappop(free)
-        heapq.heappush(free, (busy + work(n_pairs, pair), p))
+        heapq.heappush(free, (busy + work, p))
     done = [busy for busy, _ in free]
     return sum(done) / programs / max(done)
 
-def table_balance(pairs, n_pairs, programs=PROGRAMS):
-    "The same, in rounds of `programs` tiles: each round's tiles, heaviest first, to the least loaded programs so far."
-    load = [0.0] * programs
-    for r in range(0, len(pairs), programs):
-        tiles = sorted((work(n_pairs, pair) for pair in pairs[r:r + programs]), reverse=True)
-        for w, p in zip(tiles, sorted(range(programs), key=load.__getitem__)): load[p] += w
-    return sum(load) / programs / max(load)
-
 def best_width(n_pairs, heads, widest, whole):
     "(width, strided balance) of the best balanced section width, whole groups up to `widest` (the widest of equals)."
-    return max(((round(strided_balance(tile_pairs(n_pairs, heads, w), n_pairs), 3), w) for w in range(whole, widest + 1, whole)))[::-1]
+    return max(((round(hopper.tile_balance(n_pairs, heads, w, PROGRAMS), 3), w) for w in range(whole, widest + 1, whole)))[::-1]
 
 def balance_rows():
     rows = []
@@ -74,10 +47,11 @@ def balance_rows():
                 hopper.SECTION_BYTES[kind] = mb << 20                      # the package's width for this size
                 hopper.BALANCED_SECTIONS = False                                 # the widest, as measured in round 14
                 section = hopper.section_heads(kind, B, T, H, KV, hd, n_pairs, PROGRAMS)
-                pairs = tile_pairs(n_pairs, heads, section)
-                rows.append(dict(shape=name, kernel=kind, section_mb=mb, section_heads=section, heads=heads, tiles=len(pairs),
-                                 strided=strided_balance(pairs, n_pairs), greedy=greedy_balance(pairs, n_pairs),
-                                 table=table_balance(pairs, n_pairs)))
+                table = hopper.tile_table(n_pairs, heads, section, PROGRAMS)
+                rows.append(dict(shape=name, kernel=kind, section_mb=mb, section_heads=section, heads=heads, tiles=n_pairs * heads,
+                                 strided=hopper.tile_balance(n_pairs, heads, section, PROGRAMS),
+                                 greedy=greedy_balance(n_pairs, heads, section),
+                                 table=hopper.tile_balance(n_pairs, heads, section, PROGRAMS, table)))
                 if mb: rows[-1]["best_width"], rows[-1]["best_width_strided"] = best_width(n_pairs, heads, section, whole)
     return rows
 
