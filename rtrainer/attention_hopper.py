@@ -6,9 +6,9 @@ Docs: https://example.invalid/rtrainer/rtrainer/attention_hopper.html.md"""
 
 # %% auto #0
 __all__ = ['LOG2E', 'LOADER_REGS', 'CONSUMER_REGS', 'FORWARD_TILES', 'DQ_TILES', 'DKDV_TILES', 'ENABLED', 'CALLS',
-           'SECTION_BYTES', 'BALANCED_SECTIONS', 'TILE_TABLE', 'hopper_forward_kernel', 'hopper_dq_kernel',
-           'hopper_dkdv_kernel', 'tma_refusal', 'hopper_refusal', 'tile_balance', 'tile_table', 'section_heads',
-           'hopper_forward', 'hopper_dq', 'hopper_dkdv']
+           'SECTION_BYTES', 'BALANCED_SECTIONS', 'TILE_TABLE', 'BALANCE_MARGIN', 'hopper_forward_kernel',
+           'hopper_dq_kernel', 'hopper_dkdv_kernel', 'tma_refusal', 'hopper_refusal', 'tile_balance', 'tile_table',
+           'section_heads', 'hopper_forward', 'hopper_dq', 'hopper_dkdv']
 
 # %% ../nbs/02a_attention_hopper.ipynb #d91c67b1
 import collections, functools, os
@@ -28,7 +28,7 @@ LOADER_REGS = gl.constexpr(24)     # registers per thread of the loader warp: it
 CONSUMER_REGS = 240                # each consumer warpgroup's; 24 + 240 + 240 per lane of three warpgroups fill the register file
 # (query rows per consumer, keys per ring slot, ring slots) by head dim, measured on an H200 (experiments/attention_ws.py)
 FORWARD_TILES = {64: (64, 128, 3), 128: (64, 128, 2)}
-DQ_TILES = {128: (64, 64, 3)}      # at head dim 64 rtrainer's Triton dQ kernel is faster: it keeps that one
+DQ_TILES = {64: (64, 64, 3), 128: (64, 64, 3)}   # head dim 64 without grouped heads keeps the Triton dQ (_fast_dq)
 # (keys per consumer, query rows per ring slot, ring slots)
 DKDV_TILES = {64: (64, 64, 2), 128: (64, 64, 3)}
 
@@ -575,6 +575,7 @@ SECTION_BYTES = dict(forward=24 << 20, dq=24 << 20, dkdv=24 << 20)
 BALANCED_SECTIONS = True      # of the section widths that fit, the one that spreads the work most evenly; False: the widest
 
 TILE_TABLE = True             # dK/dV: a host-built table order where it balances more than 1% better than the computed one
+BALANCE_MARGIN = 1.01         # how much better a plan must balance than the one it replaces (one section, a table) to be taken
 
 def _tile_work(n_pairs, heads, width):
     "Work of each tile of the order in sections of `width` heads: the 128-row blocks it visits (its pair's, the diagonal half)."
@@ -610,7 +611,7 @@ def _balanced_width(heads, widest, group, n_pairs, programs):
     one section if that balances more than 1% better (few heads of long sequences: the L2 cannot make up for it)."""
     balance = lambda w: round(tile_balance(n_pairs, heads, w, programs), 3)
     best = max(range(group, widest + 1, group), key=lambda w: (balance(w), w))
-    return heads if balance(heads) > 1.01 * balance(best) else best
+    return heads if balance(heads) > BALANCE_MARGIN * balance(best) else best
 
 def _widest_section(kind, B, T, H, KV, hd):
     "(heads, group, widest): `kind`'s heads in the order, whole groups of them, and the most whose shared inputs fit."
@@ -629,7 +630,7 @@ def section_heads(kind, B, T, H, KV, hd, n_pairs, programs):
 def _dkdv_plan(B, T, H, KV, hd, n_pairs, programs, device):
     """(section width, table or None) of the dK/dV order: the widest width that fits with a table where that balances
     more than 1% better than section_heads' width without one (few KV heads of long sequences)."""
-    width = section_heads("dkdv", B, T, H, KV, hd, n_pairs, programs)
+    width = section_heads("dkdv", B, T, H, KV, hd, n_pairs, programs)   # through section_heads: tests narrow it
     if not TILE_TABLE: return width, None
     heads, _, widest = _widest_section("dkdv", B, T, H, KV, hd)
     table = _better_table(n_pairs, heads, width, widest, programs, device)
@@ -639,7 +640,7 @@ def _dkdv_plan(B, T, H, KV, hd, n_pairs, programs, device):
 def _better_table(n_pairs, heads, width, widest, programs, device):
     "The table of the order in sections of `widest` heads, on `device`, if it balances more than 1% better than `width` without."
     table = tile_table(n_pairs, heads, widest, programs)
-    if tile_balance(n_pairs, heads, widest, programs, table) <= 1.01 * tile_balance(n_pairs, heads, width, programs): return None
+    if tile_balance(n_pairs, heads, widest, programs, table) <= BALANCE_MARGIN * tile_balance(n_pairs, heads, width, programs): return None
     return table.to(device)
 
 @functools.lru_cache
@@ -655,14 +656,13 @@ def hopper_forward(q, k, v, o=None, lse=None, tiles=None):
     replaces FORWARD_TILES[hd] (experiments)."""
     B, T, H, hd = q.shape
     block_m, block_n, stages = tiles or FORWARD_TILES[hd]
-    group = H // k.shape[2]
     o = torch.empty(B, T, H, hd, dtype=q.dtype, device=q.device) if o is None else o
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device) if lse is None else lse
     n_pairs = triton.cdiv(T, 2 * block_m)
     programs = min(n_pairs * B * H, _sm_count(q.device.index))
     launch(hopper_forward_kernel, (programs,),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(o, block_m), o, lse, *o.stride()[:3],
-        H, T, group, B * H, section_heads("forward", B, T, H, k.shape[2], hd, n_pairs, programs), n_pairs, LOG2E / hd ** 0.5,
+        H, T, H // k.shape[2], B * H, section_heads("forward", B, T, H, k.shape[2], hd, n_pairs, programs), n_pairs, LOG2E / hd ** 0.5,
         HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
         REGS=CONSUMER_REGS, num_warps=4)
     CALLS["forward"] += 1
@@ -673,14 +673,13 @@ def hopper_dq(do, q, k, v, o, lse, dq=None, delta=None, tiles=None):
     `tiles` replaces DQ_TILES[hd] (experiments)."""
     B, T, H, hd = q.shape
     block_m, block_n, stages = tiles or DQ_TILES[hd]
-    group = H // k.shape[2]
     dq = torch.empty(B, T, H, hd, dtype=q.dtype, device=q.device) if dq is None else dq
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device) if delta is None else delta
     n_pairs = triton.cdiv(T, 2 * block_m)
     programs = min(n_pairs * B * H, _sm_count(q.device.index))
     launch(hopper_dq_kernel, (programs,),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
-        _descriptor(o, block_m), _descriptor(dq, block_m), lse, delta, dq, *dq.stride()[:3], H, T, group, B * H,
+        _descriptor(o, block_m), _descriptor(dq, block_m), lse, delta, dq, *dq.stride()[:3], H, T, H // k.shape[2], B * H,
         section_heads("dq", B, T, H, k.shape[2], hd, n_pairs, programs), n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
         REGS=CONSUMER_REGS, num_warps=4)
     CALLS["dq"] += 1
@@ -717,6 +716,7 @@ def _fast_forward(q, k, v, causal, o, lse):
 def _fast_dq(do, q, k, v, o, lse, causal, dq, delta):
     if (q.shape[-1] not in DQ_TILES or hopper_refusal(q, k, v, causal) or tma_refusal(do) or tma_refusal(o) or tma_refusal(dq)
             or not lse.is_contiguous() or not delta.is_contiguous()): return None
+    if q.shape[-1] == 64 and q.shape[2] == k.shape[2]: return None   # head dim 64 without grouped heads: 0.98x of Triton's
     return hopper_dq(do, q, k, v, o, lse, dq, delta)
 
 def _fast_dkdv(do, q, k, v, lse, delta, causal, dk, dv):
