@@ -373,7 +373,7 @@ def _compile_sm90(kernel, consts, descs, warps):
     "Compile a Gluon kernel for sm_90 without a GPU: (ptxas's register / spill line, shared memory, PTX)."
     from sm90_compile import compile_gluon_sm90
     types = dict(Q="*bf16", O="*bf16", DO="*bf16", DQ="*bf16", DK="*bf16", DV="*bf16", LSE="*fp32", DELTA="*fp32",
-                 scale_log2="fp32", sm_scale="fp32")
+                 ORDER="*i32", scale_log2="fp32", sm_scale="fp32")      # ORDER: attention_hopper's dK/dV tile table
     (registers, spilled), shared, ptx = compile_gluon_sm90(kernel, consts, descs, warps, types)
     return f"{registers} registers, spills {spilled} bytes", shared, ptx
 

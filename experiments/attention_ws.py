@@ -93,7 +93,9 @@ def compile_check():
     for kind, (configs, kernels, names, descs) in KERNELS.items():
         for hd, config in ((hd, c) for hd, cs in configs.items() for c in cs):
             try:
-                usage, smem, ptx = _compile_sm90(kernels[config[-1]], dict(HEAD_DIM=hd, REGS=CONSUMER_REGS, num_warps=CONSUMER_WARPS, **dict(zip(names, config[:-1]))),
+                table = dict(TABLE=os.environ.get("WS_TABLE", "1") == "1") if kind == "dkdv" else {}      # the dK/dV with its tile table, as at long sequences
+                usage, smem, ptx = _compile_sm90(kernels[config[-1]], dict(HEAD_DIM=hd, REGS=CONSUMER_REGS, num_warps=CONSUMER_WARPS,
+                                                                           **table, **dict(zip(names, config[:-1]))),
                                                  descs(hd, config[0], config[1]), CONSUMER_WARPS)
                 print(f"{kind} hd {hd} {config}: {usage}, shared {smem} B, setmaxnreg {_maxnreg(ptx)}, wgmma {ptx.count('wgmma.mma_async')}")
             except Exception as e:
