@@ -7,7 +7,8 @@ per SM walks all tiles. Rounds 1 to 9 of experiments/results/attention_ws.json m
 ones that lost are at commit 1919f01 (see the comment above ws_forward).
 
 `python experiments/attention_ws.py --compile` compiles every variant for sm_90 without a GPU (registers per partition
-are what ptxas prints for the whole kernel; spills are the useful number). On a GPU it first runs each kernel's
+are what ptxas prints for the whole kernel; spills are the useful number; the dK/dV with its tile table, WS_TABLE=0
+without). On a GPU it first runs each kernel's
 variants once in a child process with a time limit (an mbarrier mistake hangs rather than fails), checks every
 variant that finished against float64 at odd shapes, then times the passing ones against rtrainer's Triton kernels
 and cuDNN, alternated, at the reference shapes (writes $OUT/attention_ws.json; a short table last).
