@@ -5,7 +5,8 @@ CUDA side (the driver's launches, TMA descriptors encoded by Triton's launcher, 
 
 Why: `attention_host_cost.py` measures the whole host time on the GPU machine, where device time is scarce; this
 isolates the part that changes with the package's own Python, so a change to it can be compared on any machine.
-Compare two trees by running this under each, alternated (`attention_host_cost.md` has the command).
+Compare two trees by running each tree's copy of this script (it imports the rtrainer beside it), alternated
+(`attention_host_cost.md` has the command).
 
 Run: `python experiments/attention_host_sim.py [--profile]` with Triton 3.6 on the path (the GPU machine's; the
 Gluon descriptors of other versions check other things). Prints host microseconds a step and a call, the median of
@@ -15,9 +16,11 @@ This is an experiment, not part of rtrainer."""
 import cProfile, inspect, io, os, pstats, statistics, sys, time
 import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import rtrainer.attention as A
 import rtrainer.attention_hopper as H
 from rtrainer import kernels as K
+from attention_host_cost import EmptyFunction          # the floor of a Python Function's forward + backward, as on the GPU
 
 SHAPES = dict(rb100m=(2, 128, 12, 4, 64), prof183m=(2, 128, 24, 24, 64), dense1b=(2, 128, 16, 16, 128), moe4b=(2, 128, 48, 48, 64))
 
@@ -46,13 +49,6 @@ def as_on_a_gpu():
         run(g[0], g[1], g[2], stream(0), function, metadata, None, None, None, *args, *tail)
     H.launch = A.launch = launch
     return refusal
-
-class EmptyFunction(torch.autograd.Function):
-    "An autograd Function that launches nothing: the floor of a Python Function's forward + backward."
-    @staticmethod
-    def forward(ctx, q, k, v): return torch.empty_like(q)
-    @staticmethod
-    def backward(ctx, do): return torch.empty_like(do), None, None
 
 def host_us(fn, calls=2000):
     "Median over 5 batches of microseconds per `fn()`, after 20 calls of warm-up."
