@@ -13,8 +13,12 @@ first to the least loaded programs: what a tile table the kernel reads would do)
 up to it that balances best under the strided order.
 
 `python experiments/attention_tile_balance.py` prints a table and writes experiments/results/attention_tile_balance.json.
+`--calibrate`: how well the arithmetic predicted the measured speed. For each pair of arms of the recorded H100 rounds
+whose plans differ (attention_ws rounds 15 and 16: the widest against balanced widths, balanced widths against the
+table order), the package's plan under each arm's settings, its balance, and the predicted speed-up (the balances'
+ratio) beside the measured one (the arms' median times); writes experiments/results/attention_tile_balance_calibration.json.
 This is an experiment, not part of rtrainer."""
-import heapq, json, math, os, subprocess, sys, time
+import heapq, json, math, os, statistics, subprocess, sys, time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention_configs import shape_dims
 from rtrainer import attention_hopper as hopper
@@ -55,7 +59,59 @@ def balance_rows():
                 if mb: rows[-1]["best_width"], rows[-1]["best_width_strided"] = best_width(n_pairs, heads, section, whole)
     return rows
 
-if __name__ == "__main__":
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+ROUNDS = {"attention_ws_h100_balanced.json": ("s24", "s24b"), "attention_ws_h100_table.json": ("s24b", "s24bt")}   # file: (before, after)
+
+def planned_balance(kind, B, H, KV, T, hd, arm):
+    """(balance, section width, table?) of the package's plan for `kind` under an attention_ws arm's settings ("s24":
+    24 MB, "b" balanced widths, "t" tile tables, as attention_ws.py sets them), at 132 programs."""
+    setting = arm[1:]
+    hopper.SECTION_BYTES[kind] = int(setting.rstrip("bt")) << 20
+    hopper.BALANCED_SECTIONS, hopper.TILE_TABLE = "b" in setting, "t" in setting
+    block = dict(forward=hopper.FORWARD_TILES, dq=hopper.DQ_TILES, dkdv=hopper.DKDV_TILES)[kind][hd][0]
+    n_pairs = math.ceil(T / (2 * block))
+    heads = B * KV if kind == "dkdv" else B * H
+    programs = min(n_pairs * heads, PROGRAMS)
+    if kind == "dkdv": width, table = hopper._dkdv_plan(B, T, H, KV, hd, n_pairs, programs, "cpu")
+    else: width, table = hopper.section_heads(kind, B, T, H, KV, hd, n_pairs, programs), None
+    return hopper.tile_balance(n_pairs, heads, width, programs, table), width, table is not None
+
+def calibration_rows():
+    "Predicted against measured speed-ups for every recorded pair of arms whose plans differ."
+    rows = []
+    for name, (before, after) in ROUNDS.items():
+        with open(os.path.join(RESULTS, name)) as f: result = json.load(f)
+        for r in result["rows"]:
+            arms = {a.split()[-1]: a for a in r["ms"] if a.startswith("ws ")}   # the package's tile: one arm per setting
+            if before not in arms or after not in arms: continue
+            dims = shape_dims(r["shape"])
+            (b0, w0, t0), (b1, w1, t1) = (planned_balance(r["kernel"], *dims, arm) for arm in (before, after))
+            if (w0, t0) == (w1, t1): continue
+            rows.append(dict(round=name, shape=r["shape"], kernel=r["kernel"], arms=[before, after], widths=[w0, w1], tables=[t0, t1],
+                             balance=[b0, b1], predicted=b1 / b0, measured=r["ms"][arms[before]] / r["ms"][arms[after]]))
+    return rows
+
+def calibrate():
+    kept = dict(hopper.SECTION_BYTES), hopper.BALANCED_SECTIONS, hopper.TILE_TABLE
+    rows = calibration_rows()
+    hopper.SECTION_BYTES.update(kept[0]); hopper.BALANCED_SECTIONS, hopper.TILE_TABLE = kept[1:]
+    errors = sorted(r["measured"] / r["predicted"] for r in rows)
+    summary = dict(pairs=len(rows), within_5pct=sum(abs(e - 1) <= 0.05 for e in errors), median_measured_over_predicted=statistics.median(errors),
+                   worst=[min(errors), max(errors)])
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    with open(os.path.join(RESULTS, "attention_tile_balance_calibration.json"), "w") as f:
+        json.dump(dict(date=time.strftime("%Y-%m-%d"), commit=commit, programs=PROGRAMS, method=__doc__.split("\n\n")[1],
+                       summary=summary, rows=rows), f, indent=1)
+    print(f"{'shape':10} {'kernel':8} {'arms':12} {'width':>9} {'table':>5} {'balance':>13} {'predicted':>9} {'measured':>8}")
+    for r in rows:
+        print(f"{r['shape']:10} {r['kernel']:8} {'->'.join(r['arms']):12} {r['widths'][0]:>4}->{r['widths'][1]:<4} {'yes' if r['tables'][1] else 'no':>5} "
+              f"{r['balance'][0]:.3f}->{r['balance'][1]:.3f} {r['predicted']:9.3f} {r['measured']:8.3f}")
+    print(f"{summary['within_5pct']} of {summary['pairs']} within 5% of the prediction; measured / predicted median "
+          f"{summary['median_measured_over_predicted']:.3f}, from {summary['worst'][0]:.3f} to {summary['worst'][1]:.3f}")
+
+if __name__ == "__main__" and "--calibrate" in sys.argv:
+    calibrate()
+elif __name__ == "__main__":
     package_sections = dict(hopper.SECTION_BYTES)
     rows = balance_rows()
     hopper.SECTION_BYTES.update(package_sections)
