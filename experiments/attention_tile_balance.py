@@ -100,7 +100,7 @@ def calibrate():
                    worst=[min(errors), max(errors)])
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     with open(os.path.join(RESULTS, "attention_tile_balance_calibration.json"), "w") as f:
-        json.dump(dict(date=time.strftime("%Y-%m-%d"), commit=commit, programs=PROGRAMS, method=__doc__.split("\n\n")[1],
+        json.dump(dict(date=time.strftime("%Y-%m-%d"), commit=commit, programs=PROGRAMS, method=__doc__.split("\n\n")[2],
                        summary=summary, rows=rows), f, indent=1)
     print(f"{'shape':10} {'kernel':8} {'arms':12} {'width':>9} {'table':>5} {'balance':>13} {'predicted':>9} {'measured':>8}")
     for r in rows:
