@@ -7,7 +7,7 @@ per SM walks all tiles. Rounds 1 to 9 of experiments/results/attention_ws.json m
 ones that lost are at commit 1919f01 (see the comment above ws_forward).
 
 `python experiments/attention_ws.py --compile` compiles every variant for sm_90 without a GPU (registers per partition
-are what ptxas prints for the whole kernel; spills are the useful number; the dK/dV with its tile table, WS_TABLE=0
+are what ptxas prints for the whole kernel; spills are the useful number; each kernel with its tile table, WS_TABLE=0
 without). On a GPU it first runs each kernel's
 variants once in a child process with a time limit (an mbarrier mistake hangs rather than fails), checks every
 variant that finished against float64 at odd shapes, then times the passing ones against rtrainer's Triton kernels
@@ -45,8 +45,8 @@ DQ_CONFIGS = {64: [(64, 64, 3, "persistent-t"), (64, 32, 4, "persistent-t")],
 
 HEAD_DIMS = [int(h) for h in os.environ.get("WS_HEAD_DIMS", "64,128").split(",") if h]   # variants smoked, checked and timed
 # WS_SECTIONS=0,24,24b,24bt: each variant timed at each of these hopper.SECTION_BYTES, in MB (0: the tile order without
-# sections; b: hopper.BALANCED_SECTIONS, the best balanced width that fits, else the widest; t: hopper.TILE_TABLE, dK/dV
-# from a host-built table where that balances better, else computed); unset: the package's
+# sections; b: hopper.BALANCED_SECTIONS, the best balanced width that fits, else the widest; t: hopper.TILE_TABLE, each
+# kernel from a host-built table where that balances better, else computed); unset: the package's
 SECTIONS = [s for s in os.environ.get("WS_SECTIONS", "").split(",") if s] or [None]
 PACKAGE_TILES_ONLY = os.environ.get("WS_TILES", "all") == "package"   # WS_TILES=package: only the first tile of each list
 FORWARD_CONFIGS, DKDV_CONFIGS, DQ_CONFIGS = ({hd: c[:1] if PACKAGE_TILES_ONLY else c for hd, c in configs.items() if hd in HEAD_DIMS}
@@ -71,11 +71,11 @@ def ws_dq(do, q, k, v, o, lse, variant=0):
 
 
 def _sectioned_launch(kind, a, variant, section):
-    "One launch of a variant with hopper.SECTION_BYTES[kind] at `section` MB, b: balanced widths, t: dK/dV tables (None: the package's)."
+    "One launch of a variant with hopper.SECTION_BYTES[kind] at `section` MB, b: balanced widths, t: tile tables (None: the package's)."
     if section is not None:
         hopper.SECTION_BYTES[kind] = int(section.rstrip("bt")) << 20
         hopper.BALANCED_SECTIONS = "b" in section
-        hopper.TILE_TABLE = "t" in section
+        hopper.TILE_TABLE = dict.fromkeys(hopper.TILE_TABLE, "t" in section)
     LAUNCH[kind](a, variant)
 
 def _maxnreg(ptx):
@@ -94,7 +94,7 @@ def compile_check():
     for kind, (configs, kernels, names, descs) in KERNELS.items():
         for hd, config in ((hd, c) for hd, cs in configs.items() for c in cs):
             try:
-                table = dict(TABLE=os.environ.get("WS_TABLE", "1") == "1") if kind == "dkdv" else {}      # the dK/dV with its tile table, as at long sequences
+                table = dict(TABLE=os.environ.get("WS_TABLE", "1") == "1")      # with the tile table, as at long sequences
                 usage, smem, ptx = _compile_sm90(kernels[config[-1]], dict(HEAD_DIM=hd, REGS=CONSUMER_REGS, num_warps=CONSUMER_WARPS,
                                                                            **table, **dict(zip(names, config[:-1]))),
                                                  descs(hd, config[0], config[1]), CONSUMER_WARPS)

@@ -6,9 +6,9 @@ Docs: https://example.invalid/rtrainer/rtrainer/attention_hopper.html.md"""
 
 # %% auto #0
 __all__ = ['LOG2E', 'LOADER_REGS', 'CONSUMER_REGS', 'FORWARD_TILES', 'DQ_TILES', 'DKDV_TILES', 'ENABLED', 'CALLS',
-           'SECTION_BYTES', 'BALANCED_SECTIONS', 'TILE_TABLE', 'BALANCE_MARGIN', 'hopper_forward_kernel',
-           'hopper_dq_kernel', 'hopper_dkdv_kernel', 'tma_refusal', 'hopper_refusal', 'tile_balance', 'tile_table',
-           'section_heads', 'hopper_forward', 'hopper_dq', 'hopper_dkdv']
+           'SECTION_BYTES', 'BALANCED_SECTIONS', 'TILE_TABLE', 'BALANCE_MARGIN', 'GROUPED_ONLY_HEAD_DIMS',
+           'hopper_forward_kernel', 'hopper_dq_kernel', 'hopper_dkdv_kernel', 'tma_refusal', 'hopper_refusal',
+           'tile_balance', 'tile_table', 'section_heads', 'hopper_forward', 'hopper_dq', 'hopper_dkdv']
 
 # %% ../nbs/02a_attention_hopper.ipynb #d91c67b1
 import collections, functools, os
@@ -28,7 +28,7 @@ LOADER_REGS = gl.constexpr(24)     # registers per thread of the loader warp: it
 CONSUMER_REGS = 240                # each consumer warpgroup's; 24 + 240 + 240 per lane of three warpgroups fill the register file
 # (query rows per consumer, keys per ring slot, ring slots) by head dim, measured on an H200 (experiments/attention_ws.py)
 FORWARD_TILES = {64: (64, 128, 3), 128: (64, 128, 2)}
-DQ_TILES = {64: (64, 64, 3), 128: (64, 64, 3)}   # head dim 64 without grouped heads keeps the Triton dQ (_fast_dq)
+DQ_TILES = {64: (64, 64, 3), 128: (64, 64, 3)}   # head dim 64 without grouped heads keeps the Triton dQ (GROUPED_ONLY_HEAD_DIMS)
 # (keys per consumer, query rows per ring slot, ring slots)
 DKDV_TILES = {64: (64, 64, 2), 128: (64, 64, 3)}
 
@@ -78,20 +78,21 @@ def _ordered(t, ORDER, TABLE: gl.constexpr):
     return s
 
 @gluon.jit
-def _tile(t, n_pairs, BH, HEADS, H, GROUP, BLOCK_M: gl.constexpr):
-    "(first query row, batch, head, KV head) of tile t; in each section the tiles with the most key blocks (last query pairs) come first."
-    p, bh = _sectioned(t, n_pairs, BH, HEADS)
+def _tile(t, ORDER, n_pairs, BH, HEADS, H, GROUP, BLOCK_M: gl.constexpr, TABLE: gl.constexpr):
+    """(first query row, batch, head, KV head) of the tile at position t of the order; in each section the tiles with
+    the most key blocks (last query pairs) come first."""
+    p, bh = _sectioned(_ordered(t, ORDER, TABLE), n_pairs, BH, HEADS)
     return (n_pairs - 1 - p) * 2 * BLOCK_M, bh // H, bh % H, (bh % H) // GROUP
 
 @gluon.jit
 def _forward_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, k_free, v_free,
-                    H, T, GROUP, BH, HEADS, n_pairs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr):
+                    H, T, GROUP, BH, HEADS, ORDER, n_pairs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TABLE: gl.constexpr):
     "The loader warp: every tile's two Q tiles, then its K and V blocks into the ring, as slots come free."
     it = 0                                            # key blocks loaded so far: ring slot and phase
     tc = 0                                            # tiles so far: the Q buffers' phase
     for t in range(gl.program_id(0), n_pairs * BH, gl.num_programs(0)):
-        start_m, b, h, kvh = _tile(t, n_pairs, BH, HEADS, H, GROUP, BLOCK_M)
+        start_m, b, h, kvh = _tile(t, ORDER, n_pairs, BH, HEADS, H, GROUP, BLOCK_M, TABLE)
         row0 = b * T
         for c in gl.static_range(2):
             mbarrier.wait(q_free.index(c), (tc & 1) ^ 1)          # a fresh barrier passes phase 1 at once
@@ -114,8 +115,9 @@ def _masked(s, q_pos, j, BLOCK_N: gl.constexpr, s_cols: gl.constexpr):
 
 @gluon.jit
 def _forward_consumer(q_smem, k_smem, v_smem, o_smem, o_desc, q_bar, q_free, k_bar, v_bar, k_free, v_free, turn_bar, O, LSE,
-                      stride_ob, stride_ot, stride_oh, H, T, GROUP, BH, HEADS, n_pairs, scale_log2, C: gl.constexpr,
-                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                      stride_ob, stride_ot, stride_oh, H, T, GROUP, BH, HEADS, ORDER, n_pairs, scale_log2, C: gl.constexpr,
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                      TABLE: gl.constexpr):
     """Consumer C (one warpgroup) of every tile: the online softmax over BLOCK_M query rows. Per key block it takes its
     turn to issue S_j = Q K_jᵀ together with the previous block's O += P V, passes the turn, frees K_j once S_j is done,
     runs the softmax while the other consumer's matmuls run, then frees V_{j-1}. The output leaves through shared
@@ -134,7 +136,7 @@ def _forward_consumer(q_smem, k_smem, v_smem, o_smem, o_desc, q_bar, q_free, k_b
     turn = 0
     tc = 0
     for t in range(gl.program_id(0), n_pairs * BH, gl.num_programs(0)):
-        pair_m, b, h, kvh = _tile(t, n_pairs, BH, HEADS, H, GROUP, BLOCK_M)
+        pair_m, b, h, kvh = _tile(t, ORDER, n_pairs, BH, HEADS, H, GROUP, BLOCK_M, TABLE)
         start = pair_m + C * BLOCK_M
         n = gl.cdiv(gl.minimum(start + BLOCK_M, T), BLOCK_N)              # key blocks up to this tile's diagonal
         n_max = gl.cdiv(gl.minimum(pair_m + 2 * BLOCK_M, T), BLOCK_N)     # the pair's: both consumers take as many turns
@@ -206,9 +208,9 @@ def _forward_consumer(q_smem, k_smem, v_smem, o_smem, o_desc, q_bar, q_free, k_b
     tma.store_wait(0)
 
 @gluon.jit
-def hopper_forward_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, stride_ob, stride_ot, stride_oh, H, T, GROUP, BH, HEADS, n_pairs,
-                          scale_log2, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                          STAGES: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
+def hopper_forward_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, stride_ob, stride_ot, stride_oh, H, T, GROUP, BH, HEADS, ORDER,
+                          n_pairs, scale_log2, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          STAGES: gl.constexpr, TABLE: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
     "Causal flash-attention forward, bf16, persistent: one program per SM, a loader warp and two consumer warpgroups."
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -223,25 +225,25 @@ def hopper_forward_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, stride_ob, str
     turn_bar = _barriers(2, 1)
     gl.warp_specialize([
         (_forward_consumer, (q_smem, k_smem, v_smem, o_smem.index(0), o_desc, q_bar, q_free, k_bar, v_bar, k_free, v_free,
-                             turn_bar, O, LSE, stride_ob, stride_ot, stride_oh, H, T, GROUP, BH, HEADS, n_pairs, scale_log2, 0,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+                             turn_bar, O, LSE, stride_ob, stride_ot, stride_oh, H, T, GROUP, BH, HEADS, ORDER, n_pairs, scale_log2,
+                             0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, TABLE)),
         (_forward_consumer, (q_smem, k_smem, v_smem, o_smem.index(1), o_desc, q_bar, q_free, k_bar, v_bar, k_free, v_free,
-                             turn_bar, O, LSE, stride_ob, stride_ot, stride_oh, H, T, GROUP, BH, HEADS, n_pairs, scale_log2, 1,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+                             turn_bar, O, LSE, stride_ob, stride_ot, stride_oh, H, T, GROUP, BH, HEADS, ORDER, n_pairs, scale_log2,
+                             1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, TABLE)),
         (_forward_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, k_free, v_free,
-                           H, T, GROUP, BH, HEADS, n_pairs, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+                           H, T, GROUP, BH, HEADS, ORDER, n_pairs, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, TABLE)),
     ], [4, 1], [REGS, LOADER_REGS])
 
 # %% ../nbs/02a_attention_hopper.ipynb #c2bd57cc
 @gluon.jit
 def _dq_loader(q_desc, k_desc, v_desc, do_desc, o_desc, q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, q_free, k_bar, v_bar,
-               free_bar, H, T, GROUP, BH, HEADS, n_pairs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               STAGES: gl.constexpr):
+               free_bar, H, T, GROUP, BH, HEADS, ORDER, n_pairs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TABLE: gl.constexpr):
     "The loader warp of the dQ kernel: each tile's Q, dO and O for both consumers, then K and V blocks up to its diagonal."
     it = 0                                            # key blocks loaded so far: ring slot and phase
     tc = 0                                            # tiles so far: the Q buffers' phase
     for t in range(gl.program_id(0), n_pairs * BH, gl.num_programs(0)):
-        start_m, b, h, kvh = _tile(t, n_pairs, BH, HEADS, H, GROUP, BLOCK_M)
+        start_m, b, h, kvh = _tile(t, ORDER, n_pairs, BH, HEADS, H, GROUP, BLOCK_M, TABLE)
         row0 = b * T
         for c in gl.static_range(2):
             mbarrier.wait(q_free.index(c), (tc & 1) ^ 1)
@@ -268,8 +270,9 @@ def _dq_ds(s, dp, j, n_full, lse2, delta, q_pos, scale_log2, k_cols: gl.constexp
 
 @gluon.jit
 def _dq_consumer(q_smem, do_smem, o_smem, dq_smem, dq_desc, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar, turn_bar,
-                 LSE, DELTA, DQ, stride_dqb, stride_dqt, stride_dqh, H, T, GROUP, BH, HEADS, n_pairs, scale_log2, sm_scale,
-                 C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                 LSE, DELTA, DQ, stride_dqb, stride_dqt, stride_dqh, H, T, GROUP, BH, HEADS, ORDER, n_pairs, scale_log2, sm_scale,
+                 C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 TABLE: gl.constexpr):
     """Consumer C of the dQ kernel, per tile: δ = rowsum(dO ∘ O) of its rows from shared memory (stored for the dK/dV
     kernel), then per key block a turn that issues S_j = Q K_jᵀ, dP_j = dO V_jᵀ and the previous block's dQ += dS K,
     and dS_j while the other consumer's turn runs; dQ leaves by TMA store."""
@@ -287,7 +290,7 @@ def _dq_consumer(q_smem, do_smem, o_smem, dq_smem, dq_desc, k_smem, v_smem, q_ba
     tc = 0
     turn = 0
     for t in range(gl.program_id(0), n_pairs * BH, gl.num_programs(0)):
-        pair_m, b, h, kvh = _tile(t, n_pairs, BH, HEADS, H, GROUP, BLOCK_M)
+        pair_m, b, h, kvh = _tile(t, ORDER, n_pairs, BH, HEADS, H, GROUP, BLOCK_M, TABLE)
         start = pair_m + C * BLOCK_M
         q_pos = start + gl.arange(0, BLOCK_M, q_rows)
         head = (b * H + h).to(gl.int64) * T
@@ -355,8 +358,9 @@ def _dq_consumer(q_smem, do_smem, o_smem, dq_smem, dq_desc, k_smem, v_smem, q_ba
 
 @gluon.jit
 def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, LSE, DELTA, DQ, stride_dqb, stride_dqt, stride_dqh,
-                     H, T, GROUP, BH, HEADS, n_pairs, scale_log2, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
+                     H, T, GROUP, BH, HEADS, ORDER, n_pairs, scale_log2, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TABLE: gl.constexpr, REGS: gl.constexpr,
+                     num_warps: gl.constexpr):
     "dQ (and δ) of causal attention, bf16: one program per SM over (query pair, batch x head) tiles, longest first."
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
@@ -373,13 +377,13 @@ def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, LSE, DELT
     turn_bar = _barriers(2, 1)
     gl.warp_specialize([
         (_dq_consumer, (q_smem, do_smem, o_smem, dq0, dq_desc, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar, turn_bar,
-                        LSE, DELTA, DQ, stride_dqb, stride_dqt, stride_dqh, H, T, GROUP, BH, HEADS, n_pairs, scale_log2, sm_scale,
-                        0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+                        LSE, DELTA, DQ, stride_dqb, stride_dqt, stride_dqh, H, T, GROUP, BH, HEADS, ORDER, n_pairs, scale_log2,
+                        sm_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, TABLE)),
         (_dq_consumer, (q_smem, do_smem, o_smem, dq1, dq_desc, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar, turn_bar,
-                        LSE, DELTA, DQ, stride_dqb, stride_dqt, stride_dqh, H, T, GROUP, BH, HEADS, n_pairs, scale_log2, sm_scale,
-                        1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+                        LSE, DELTA, DQ, stride_dqb, stride_dqt, stride_dqh, H, T, GROUP, BH, HEADS, ORDER, n_pairs, scale_log2,
+                        sm_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, TABLE)),
         (_dq_loader, (q_desc, k_desc, v_desc, do_desc, o_desc, q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, q_free, k_bar, v_bar,
-                      free_bar, H, T, GROUP, BH, HEADS, n_pairs, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+                      free_bar, H, T, GROUP, BH, HEADS, ORDER, n_pairs, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, TABLE)),
     ], [4, 1], [REGS, LOADER_REGS])
 
 # %% ../nbs/02a_attention_hopper.ipynb #88195bba
@@ -544,9 +548,10 @@ CALLS = collections.Counter()        # launches that took the Hopper path, by ke
 def tma_refusal(t):
     "Why a (B, T, heads, hd) tensor cannot be read through a 2-D TMA descriptor over (B*T, heads*hd), or None."
     B, T, heads, hd = t.shape
-    if t.stride(3) != 1 or t.stride(2) != hd: return f"a row's heads are not contiguous (strides {t.stride()})"
-    if B > 1 and t.stride(0) != T * t.stride(1): return f"batch stride {t.stride(0)} is not T x the row stride {t.stride(1)}"
-    if (t.stride(1) * t.element_size()) % 16 or t.data_ptr() % 16: return "rows are not 16-byte aligned"
+    stride = t.stride()
+    if stride[3] != 1 or stride[2] != hd: return f"a row's heads are not contiguous (strides {stride})"
+    if B > 1 and stride[0] != T * stride[1]: return f"batch stride {stride[0]} is not T x the row stride {stride[1]}"
+    if (stride[1] * t.element_size()) % 16 or t.data_ptr() % 16: return "rows are not 16-byte aligned"
     return None
 
 def hopper_refusal(q, k, v, causal=True):
@@ -574,7 +579,7 @@ def _sm_count(index): return torch.cuda.get_device_properties(index).multi_proce
 SECTION_BYTES = dict(forward=24 << 20, dq=24 << 20, dkdv=24 << 20)
 BALANCED_SECTIONS = True      # of the section widths that fit, the one that spreads the work most evenly; False: the widest
 
-TILE_TABLE = True             # dK/dV: a host-built table order where it balances more than 1% better than the computed one
+TILE_TABLE = dict(forward=True, dq=True, dkdv=True)   # by kernel: a host-built table order where it balances more than 1% better
 BALANCE_MARGIN = 1.01         # how much better a plan must balance than the one it replaces (one section, a table) to be taken
 
 def _tile_work(n_pairs, heads, width):
@@ -627,29 +632,46 @@ def section_heads(kind, B, T, H, KV, hd, n_pairs, programs):
     if widest == heads or not BALANCED_SECTIONS: return widest
     return _balanced_width(heads, widest, group, n_pairs, programs)
 
-def _dkdv_plan(B, T, H, KV, hd, n_pairs, programs, device):
-    """(section width, table or None) of the dK/dV order: the widest width that fits with a table where that balances
-    more than 1% better than section_heads' width without one (few KV heads of long sequences)."""
-    width = section_heads("dkdv", B, T, H, KV, hd, n_pairs, programs)   # through section_heads: tests narrow it
-    if not TILE_TABLE: return width, None
-    heads, _, widest = _widest_section("dkdv", B, T, H, KV, hd)
-    table = _better_table(n_pairs, heads, width, widest, programs, device)
-    return (width, None) if table is None else (widest, table)
+def _plan(kind, B, T, H, KV, hd, n_pairs, programs, device):
+    """(section width, table or None) of `kind`'s tile order: section_heads' width computed, or, where TILE_TABLE[kind]
+    and a table balances more than 1% better (long sequences), the width of whole groups that fits and whose table
+    balances best, with that table."""
+    width = section_heads(kind, B, T, H, KV, hd, n_pairs, programs)   # through section_heads: tests narrow it
+    if not TILE_TABLE[kind]: return width, None
+    heads, group, widest = _widest_section(kind, B, T, H, KV, hd)
+    whole = group if SECTION_BYTES[kind] else heads                  # 0 bytes: one section, whose rounds a table permutes
+    return _better_table(n_pairs, heads, whole, width, widest, programs, device) or (width, None)
 
 @functools.lru_cache(maxsize=256)
-def _better_table(n_pairs, heads, width, widest, programs, device):
-    "The table of the order in sections of `widest` heads, on `device`, if it balances more than 1% better than `width` without."
-    table = tile_table(n_pairs, heads, widest, programs)
-    if tile_balance(n_pairs, heads, widest, programs, table) <= BALANCE_MARGIN * tile_balance(n_pairs, heads, width, programs): return None
-    return table.to(device)
+def _better_table(n_pairs, heads, whole, width, widest, programs, device):
+    """(width, its table on `device`) of the best balanced table order in sections of a multiple of `whole` heads up to
+    `widest` (to 0.001; the widest of equals), if it balances more than 1% better than `width` without a table; else None."""
+    computed = tile_balance(n_pairs, heads, width, programs)
+    if BALANCE_MARGIN * computed >= 1: return None                   # no table can do 1% better
+    tables = {w: tile_table(n_pairs, heads, w, programs) for w in range(whole, widest + 1, whole)}
+    balance = {w: round(tile_balance(n_pairs, heads, w, programs, table), 3) for w, table in tables.items()}
+    best = max(tables, key=lambda w: (balance[w], w))
+    return (best, tables[best].to(device)) if balance[best] > BALANCE_MARGIN * computed else None
 
 @functools.lru_cache
 def _block_layout(rows, hd): return gl.NVMMASharedLayout.get_default_for([rows, hd], gl.bfloat16)
 
+@functools.lru_cache(maxsize=256)
+def _descriptor_fields(dtype, rows_total, width, row_stride, rows, hd):
+    """The fields of a TMA descriptor of this geometry but its base, checked once by TensorDescriptor against an empty
+    tensor of the dtype (the check that depends on the base, its 16-byte alignment, is tma_refusal's)."""
+    fields = dict(vars(TensorDescriptor(torch.empty(0, dtype=dtype), [rows_total, width], [row_stride, 1], [rows, hd],
+                                        _block_layout(rows, hd))))
+    del fields["base"]
+    return fields
+
 def _descriptor(t, rows):
-    "2-D TMA descriptor over (B*T, heads*hd) of a (B, T, heads, hd) bf16 tensor, in blocks of (rows, hd)."
+    """2-D TMA descriptor over (B*T, heads*hd) of a (B, T, heads, hd) bf16 tensor, in blocks of (rows, hd): the checked
+    fields of its geometry with `t` as the base, without the checks a TensorDescriptor runs on every construction."""
     B, T, heads, hd = t.shape
-    return TensorDescriptor(t, [B * T, heads * hd], [t.stride(1), 1], [rows, hd], _block_layout(rows, hd))
+    d = object.__new__(TensorDescriptor)
+    d.__dict__ = dict(_descriptor_fields(t.dtype, B * T, heads * hd, t.stride(1), rows, hd), base=t)   # lists shared: read only
+    return d
 
 def hopper_forward(q, k, v, o=None, lse=None, tiles=None):
     """(o (B,T,H,hd) bf16, lse (B,H,T) fp32, natural log) of causal attention by the persistent Hopper kernel; `tiles`
@@ -660,10 +682,11 @@ def hopper_forward(q, k, v, o=None, lse=None, tiles=None):
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device) if lse is None else lse
     n_pairs = triton.cdiv(T, 2 * block_m)
     programs = min(n_pairs * B * H, _sm_count(q.device.index))
+    width, table = _plan("forward", B, T, H, k.shape[2], hd, n_pairs, programs, q.device)
     launch(hopper_forward_kernel, (programs,),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(o, block_m), o, lse, *o.stride()[:3],
-        H, T, H // k.shape[2], B * H, section_heads("forward", B, T, H, k.shape[2], hd, n_pairs, programs), n_pairs, LOG2E / hd ** 0.5,
-        HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
+        H, T, H // k.shape[2], B * H, width, lse if table is None else table, n_pairs, LOG2E / hd ** 0.5,
+        HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, TABLE=table is not None,
         REGS=CONSUMER_REGS, num_warps=4)
     CALLS["forward"] += 1
     return o, lse
@@ -677,10 +700,12 @@ def hopper_dq(do, q, k, v, o, lse, dq=None, delta=None, tiles=None):
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device) if delta is None else delta
     n_pairs = triton.cdiv(T, 2 * block_m)
     programs = min(n_pairs * B * H, _sm_count(q.device.index))
+    width, table = _plan("dq", B, T, H, k.shape[2], hd, n_pairs, programs, q.device)
     launch(hopper_dq_kernel, (programs,),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
         _descriptor(o, block_m), _descriptor(dq, block_m), lse, delta, dq, *dq.stride()[:3], H, T, H // k.shape[2], B * H,
-        section_heads("dq", B, T, H, k.shape[2], hd, n_pairs, programs), n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
+        width, lse if table is None else table, n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_M=block_m,
+        BLOCK_N=block_n, STAGES=stages, TABLE=table is not None,
         REGS=CONSUMER_REGS, num_warps=4)
     CALLS["dq"] += 1
     return dq, delta
@@ -695,7 +720,7 @@ def hopper_dkdv(do, q, k, v, lse, delta, dk=None, dv=None, tiles=None):
     dv = torch.empty_like(dk) if dv is None else dv
     n_pairs = triton.cdiv(T, 2 * block_n)
     programs = min(n_pairs * B * KV, _sm_count(q.device.index))
-    width, table = _dkdv_plan(B, T, H, KV, hd, n_pairs, programs, q.device)
+    width, table = _plan("dkdv", B, T, H, KV, hd, n_pairs, programs, q.device)
     launch(hopper_dkdv_kernel, (programs,),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
         _descriptor(dk, block_n), _descriptor(dv, block_n), lse, delta, dk, dv, *dk.stride()[:3], H, KV, T, H // KV, B * KV,
@@ -713,16 +738,20 @@ def _fast_forward(q, k, v, causal, o, lse):
     if hopper_refusal(q, k, v, causal) or tma_refusal(o) or not lse.is_contiguous(): return None
     return hopper_forward(q, k, v, o, lse)
 
+# Head dims at which the Hopper dQ and dK/dV run only for grouped query heads: without groups they ran 0.98x and 0.99x
+# of the Triton kernels at head dim 64 (attention_ws, rounds 11 and 15).
+GROUPED_ONLY_HEAD_DIMS = {64}
+
+def _triton_kept(q, k): return q.shape[-1] in GROUPED_ONLY_HEAD_DIMS and q.shape[2] == k.shape[2]
+
 def _fast_dq(do, q, k, v, o, lse, causal, dq, delta):
-    if (q.shape[-1] not in DQ_TILES or hopper_refusal(q, k, v, causal) or tma_refusal(do) or tma_refusal(o) or tma_refusal(dq)
-            or not lse.is_contiguous() or not delta.is_contiguous()): return None
-    if q.shape[-1] == 64 and q.shape[2] == k.shape[2]: return None   # head dim 64 without grouped heads: 0.98x of Triton's
+    if (q.shape[-1] not in DQ_TILES or _triton_kept(q, k) or hopper_refusal(q, k, v, causal) or tma_refusal(do) or tma_refusal(o)
+            or tma_refusal(dq) or not lse.is_contiguous() or not delta.is_contiguous()): return None
     return hopper_dq(do, q, k, v, o, lse, dq, delta)
 
 def _fast_dkdv(do, q, k, v, lse, delta, causal, dk, dv):
-    if (q.shape[-1] not in DKDV_TILES or hopper_refusal(q, k, v, causal) or tma_refusal(do) or tma_refusal(dk)
-            or tma_refusal(dv) or not lse.is_contiguous() or not delta.is_contiguous()): return None
-    if q.shape[-1] == 64 and q.shape[2] == k.shape[2]: return None   # head dim 64 without grouped heads: 0.99x of Triton's
+    if (q.shape[-1] not in DKDV_TILES or _triton_kept(q, k) or hopper_refusal(q, k, v, causal) or tma_refusal(do)
+            or tma_refusal(dk) or tma_refusal(dv) or not lse.is_contiguous() or not delta.is_contiguous()): return None
     return hopper_dkdv(do, q, k, v, lse, delta, dk, dv)
 
 FAST_PATHS.update(forward=_fast_forward, dq=_fast_dq, dkdv=_fast_dkdv)

@@ -41,7 +41,7 @@ def test_hopper_attention_in_narrow_sections(B, T, H, KV, hd, monkeypatch):
     hopper = _hopper(monkeypatch)
     from rtrainer.attention import attention_parity_errors
     monkeypatch.setattr(hopper, "section_heads", lambda kind, B, T, H, KV, hd, n_pairs, programs: min(B * KV, 5) if kind == "dkdv" else min(B * H, 5 * (H // KV)))
-    monkeypatch.setattr(hopper, "TILE_TABLE", False)
+    monkeypatch.setattr(hopper, "TILE_TABLE", dict(forward=False, dq=False, dkdv=False))
     hopper.CALLS.clear()
     errors = attention_parity_errors(B, T, H, KV, hd, torch.bfloat16, True, device="cuda")
     assert max(errors.values()) < 1e-2, errors
@@ -49,19 +49,72 @@ def test_hopper_attention_in_narrow_sections(B, T, H, KV, hd, monkeypatch):
     assert hopper.CALLS["dkdv"] == (2 if hd == 128 or KV < H else 0)
 
 @pytest.mark.parametrize("B,T,H,KV,hd", [(2, 4099, 12, 4, 64), (4, 3000, 8, 8, 128), (1, 300, 6, 2, 128)])
-def test_hopper_dkdv_in_a_table_order(B, T, H, KV, hd, monkeypatch):
-    "dK/dV taking its tiles from a host-built table (sections of five KV heads, the last narrower): every tile once, right."
+def test_hopper_kernels_in_a_table_order(B, T, H, KV, hd, monkeypatch):
+    """Every kernel taking its tiles from a host-built table (sections of five groups of query heads, five KV heads for
+    dK/dV, the last narrower): every tile once, right."""
     hopper = _hopper(monkeypatch)
     from rtrainer.attention import attention_parity_errors
     plans = []
-    def plan(B, T, H, KV, hd, n_pairs, programs, device):
-        plans.append(width := min(B * KV, 5))
-        return width, hopper.tile_table(n_pairs, B * KV, width, programs).to(device)
-    monkeypatch.setattr(hopper, "_dkdv_plan", plan)
+    def plan(kind, B, T, H, KV, hd, n_pairs, programs, device):
+        heads, group = (B * KV, 1) if kind == "dkdv" else (B * H, H // KV)
+        plans.append(kind)
+        width = min(heads, 5 * group)
+        return width, hopper.tile_table(n_pairs, heads, width, programs).to(device)
+    monkeypatch.setattr(hopper, "_plan", plan)
     hopper.CALLS.clear()
     errors = attention_parity_errors(B, T, H, KV, hd, torch.bfloat16, True, device="cuda")
     assert max(errors.values()) < 1e-2, errors
-    assert hopper.CALLS["dkdv"] == 2 and len(plans) == 2
+    assert all(hopper.CALLS[kind] >= 2 for kind in ("forward", "dq", "dkdv")), dict(hopper.CALLS)
+    assert sorted(set(plans)) == ["dkdv", "dq", "forward"], plans
+
+def _tile_start(kind, t, n_pairs, heads, width, per_batch, rows):
+    "(batch, head, first row) of the tile at index t of `kind`'s order in sections of `width` heads (the kernels' _sectioned, _tile)."
+    first = t // (n_pairs * width) * width
+    r = t - first * n_pairs
+    pair, head = divmod(r, min(width, heads - first))
+    head += first
+    start = pair * rows if kind == "dkdv" else (n_pairs - 1 - pair) * rows      # dK/dV: key pairs; forward, dQ: query pairs last first
+    return head // per_batch, head % per_batch, start
+
+@pytest.mark.parametrize("kind", ["forward", "dq", "dkdv"])
+@pytest.mark.parametrize("hd", [64, 128])
+def test_hopper_kernels_read_their_table(kind, hd, monkeypatch):
+    """A table that is not a permutation (odd positions repeat the tiles of even ones, in sections of two groups, or of
+    three KV heads of four): exactly the rows of the tiles it names are written, as the computed order writes them,
+    the rest stay NaN. Fails if a kernel ignores its table or reads it at another width."""
+    hopper = _hopper(monkeypatch)
+    B, T, H, KV = 2, 1024, 6, 2
+    torch.manual_seed(0)
+    q = torch.randn(B, T, H, hd, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(B, T, KV, hd, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    do = torch.randn_like(q)
+    o, lse = hopper.hopper_forward(q, k, v)                                # the computed orders (no table at this shape)
+    dq, delta = hopper.hopper_dq(do, q, k, v, o, lse)
+    dk, dv = hopper.hopper_dkdv(do, q, k, v, lse, delta)
+    heads, per_batch, width = (B * KV, KV, 3) if kind == "dkdv" else (B * H, H, 2 * (H // KV))
+    named = set()
+    package_plan = hopper._plan
+    def plan(kind_, B, T, H, KV, hd, n_pairs, programs, device):
+        if kind_ != kind: return package_plan(kind_, B, T, H, KV, hd, n_pairs, programs, device)
+        table = hopper.tile_table(n_pairs, heads, width, programs)
+        table[1::2] = table[0::2][:len(table) // 2].clone()
+        named.update(table.tolist())
+        plan.n_pairs = n_pairs
+        return width, table.to(device)
+    monkeypatch.setattr(hopper, "_plan", plan)
+    nan = lambda t: torch.full_like(t, float("nan"))
+    if kind == "forward": out, ref = hopper.hopper_forward(q, k, v, nan(o), nan(lse))[0], o
+    elif kind == "dq": out, ref = hopper.hopper_dq(do, q, k, v, o, lse, nan(dq), nan(delta))[0], dq
+    else: out, ref = hopper.hopper_dkdv(do, q, k, v, lse, delta, nan(dk), nan(dv))[0], dk
+    torch.cuda.synchronize()
+    rows = T // plan.n_pairs
+    written = torch.zeros(out.shape[:3], dtype=torch.bool, device="cuda")
+    for t in named:
+        b, h, start = _tile_start(kind, t, plan.n_pairs, heads, width, per_batch, rows)
+        written[b, start:start + rows, h] = True
+    assert 0 < len(named) < plan.n_pairs * heads and written.any() and not written.all()
+    assert torch.equal(out[written], ref[written]), "a named tile differs from the computed order's"
+    assert out[~written].isnan().all(), "rows of tiles the table does not name were written"
 
 @pytest.mark.parametrize("B,T,H,KV,hd", [(2, 1000, 12, 4, 64), (1, 777, 16, 16, 128)])
 def test_hopper_in_the_models_rope_attention(B, T, H, KV, hd, monkeypatch):
