@@ -14,8 +14,8 @@ up to it that balances best under the strided order.
 
 `python experiments/attention_tile_balance.py` prints a table and writes experiments/results/attention_tile_balance.json.
 `--calibrate`: how well the arithmetic predicted the measured speed. For each pair of arms of the recorded H100 rounds
-whose plans differ (attention_ws rounds 15 and 16: the widest against balanced widths, balanced widths against the
-table order), the package's plan under each arm's settings, its balance, and the predicted speed-up (the balances'
+whose plans differ (attention_ws round 15: the widest against balanced widths; round 17: balanced widths against the
+tables of `_plan`), the package's plan under each arm's settings, its balance, and the predicted speed-up (the balances'
 ratio) beside the measured one (the arms' median times); writes experiments/results/attention_tile_balance_calibration.json.
 This is an experiment, not part of rtrainer."""
 import heapq, json, math, os, statistics, subprocess, sys, time
@@ -63,7 +63,8 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 # file: (before, after). Round 16 (attention_ws_h100_table.json, s24b -> s24bt) ran the plan before `_plan`, tables for
 # dK/dV only at the widest width, which the package no longer computes: its pairs stay in the record made before
 # `_plan` (the git history of the calibration JSON).
-ROUNDS = {"attention_ws_h100_balanced.json": ("s24", "s24b")}
+ROUNDS = {"attention_ws_h100_balanced.json": ("s24", "s24b"), "attention_ws_h100_tables17.json": ("s24b", "s24bt"),
+          "attention_ws_h100_tables17_hd64.json": ("s24b", "s24bt")}
 
 def planned_balance(kind, B, H, KV, T, hd, arm):
     """(balance, section width, table?) of the package's plan for `kind` under an attention_ws arm's settings ("s24":
