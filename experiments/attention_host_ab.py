@@ -26,23 +26,17 @@ def child(tree, calls):
     assert os.path.abspath(A.__file__).startswith(os.path.abspath(tree)), f"imported {A.__file__}, not {tree}'s rtrainer"
     on_gpu = torch.cuda.is_available()
     if on_gpu:
+        from rtrainer.kernels import enqueue_ms
         shapes = A.REFERENCE_ATTENTION_SHAPES
-        sync = torch.cuda.synchronize
+        def host_us(fn):                     # after one call (compiles): the median of 5 batches of `calls`, synchronized between
+            fn()
+            return statistics.median(enqueue_ms(fn, calls) for _ in range(5)) * 1e3
     else:                                   # the CPU stand-in: the tree's modules are already imported, so the sim patches them
         sys.path.insert(1, HERE)
         import attention_host_sim as sim
         sim.as_on_a_gpu()
         shapes = {name: (B, heads, KV, T, hd) for name, (B, T, heads, KV, hd) in sim.SHAPES.items()}
-        sync = lambda: None
-    def host_us(fn):
-        fn(); sync()
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(calls): fn()
-            times.append((time.perf_counter() - t0) * 1e6 / calls)
-            sync()
-        return statistics.median(times)
+        host_us = lambda fn: sim.host_us(fn, calls)
     device = "cuda" if on_gpu else "cpu"
     result = {}
     for name, (B, heads, KV, T, hd) in shapes.items():

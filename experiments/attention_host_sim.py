@@ -5,8 +5,8 @@ CUDA side (the driver's launches, TMA descriptors encoded by Triton's launcher, 
 
 Why: `attention_host_cost.py` measures the whole host time on the GPU machine, where device time is scarce; this
 isolates the part that changes with the package's own Python, so a change to it can be compared on any machine.
-Compare two trees by running each tree's copy of this script (it imports the rtrainer beside it), alternated
-(`attention_host_cost.md` has the command).
+Two trees are compared by `attention_host_ab.py`, which runs this stand-in when there is no GPU; this script itself
+times the rtrainer beside it, the step and its parts.
 
 Run: `python experiments/attention_host_sim.py [--profile]` with Triton 3.6 on the path (the GPU machine's; the
 Gluon descriptors of other versions check other things). Prints host microseconds a step and a call, the median of
