@@ -26,11 +26,16 @@ def child(tree, calls):
     assert os.path.abspath(A.__file__).startswith(os.path.abspath(tree)), f"imported {A.__file__}, not {tree}'s rtrainer"
     on_gpu = torch.cuda.is_available()
     if on_gpu:
-        from rtrainer.kernels import enqueue_ms
         shapes = A.REFERENCE_ATTENTION_SHAPES
-        def host_us(fn):                     # after one call (compiles): the median of 5 batches of `calls`, synchronized between
-            fn()
-            return statistics.median(enqueue_ms(fn, calls) for _ in range(5)) * 1e3
+        def host_us(fn):                     # as measured at 6e4c3df; rtrainer.kernels.enqueue_ms times the same way
+            fn(); torch.cuda.synchronize()
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(calls): fn()
+                times.append((time.perf_counter() - t0) * 1e6 / calls)
+                torch.cuda.synchronize()
+            return statistics.median(times)
     else:                                   # the CPU stand-in: the tree's modules are already imported, so the sim patches them
         sys.path.insert(1, HERE)
         import attention_host_sim as sim
