@@ -27,15 +27,10 @@ def child(tree, calls):
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         shapes = A.REFERENCE_ATTENTION_SHAPES
-        def host_us(fn):                     # as measured at 6e4c3df; rtrainer.kernels.enqueue_ms times the same way
-            fn(); torch.cuda.synchronize()
-            times = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                for _ in range(calls): fn()
-                times.append((time.perf_counter() - t0) * 1e6 / calls)
-                torch.cuda.synchronize()
-            return statistics.median(times)
+        from rtrainer.kernels import enqueue_ms
+        def host_us(fn):                     # after one call (compiles): the median of 5 batches of `calls`, synchronized between
+            fn()
+            return statistics.median(enqueue_ms(fn, calls) for _ in range(5)) * 1e3
     else:                                   # the CPU stand-in: the tree's modules are already imported, so the sim patches them
         sys.path.insert(1, HERE)
         import attention_host_sim as sim

@@ -29,15 +29,17 @@ def ptxas_usage(ptx):
 
 def compile_gluon_sm90(kernel, constexprs, descs, warps, types=None, hints=()):
     """A Gluon kernel compiled for sm_90 without a GPU: ((registers, spilled bytes), shared memory bytes, PTX). `descs`
-    gives the (rows, cols) bf16 block of each tensor-descriptor parameter, `types` the type of each other parameter
-    that is not an i32 (e.g. {"LSE": "*fp32"}), `hints` the parameters the launcher would see divisible by 16."""
+    gives the (rows, cols) block of each tensor-descriptor parameter, bf16 unless a third item names the dtype
+    ("fp32"), `types` the type of each other parameter that is not an i32 (e.g. {"LSE": "*fp32"}), `hints` the
+    parameters the launcher would see divisible by 16."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
     params = list(inspect.signature(kernel.fn).parameters)
-    layout = lambda block: gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
-    sig = {p: "constexpr" if p in constexprs else
-           f"tensordesc<bf16[{descs[p][0]}, {descs[p][1]}],{layout(descs[p])!r}>" if p in descs else (types or {}).get(p, "i32")
+    def desc(rows, cols, dtype="bf16"):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], dict(bf16=gl.bfloat16, fp32=gl.float32)[dtype])
+        return f"tensordesc<{dtype}[{rows}, {cols}],{layout!r}>"
+    sig = {p: "constexpr" if p in constexprs else desc(*descs[p]) if p in descs else (types or {}).get(p, "i32")
            for p in params}
     src = GluonASTSource(kernel, sig, constexprs={(params.index(n),): v for n, v in constexprs.items()},
                          attrs={(params.index(p),): [["tt.divisibility", 16]] for p in hints})

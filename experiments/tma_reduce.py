@@ -11,9 +11,8 @@ reduce instruction. On a GPU (no argument) it has every program add its own rand
 buffer, 4 programs to a block, and checks the sums against torch's in float64.
 
 This is an experiment, not part of rtrainer."""
-import inspect, os, sys
+import os, sys
 import torch
-import triton
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -48,16 +47,10 @@ def _layout(): return gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], 
 
 def compile_check():
     "The kernel compiled for sm_90 without a GPU: ptxas's registers and spills, and the PTX's reduce instruction."
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from sm90_compile import ptxas_usage
-    params = list(inspect.signature(reduce_add_kernel.fn).parameters)
-    consts = dict(SHARING=SHARING, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM)
-    sig = {p: "constexpr" if p in consts else f"tensordesc<fp32[{BLOCK_M}, {HEAD_DIM}],{_layout()!r}>" if p == "acc_desc" else "*fp32"
-           for p in params}
-    src = GluonASTSource(reduce_add_kernel, sig, constexprs={(params.index(n),): v for n, v in consts.items()})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1)).asm["ptx"]
-    (registers, spilled), reduce = ptxas_usage(ptx), [line.strip() for line in ptx.splitlines() if "cp.reduce" in line]
+    from sm90_compile import compile_gluon_sm90
+    (registers, spilled), _, ptx = compile_gluon_sm90(reduce_add_kernel, dict(SHARING=SHARING, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM),
+                                                      dict(acc_desc=(BLOCK_M, HEAD_DIM, "fp32")), 4, types=dict(X="*fp32"))
+    reduce = [line.strip() for line in ptx.splitlines() if "cp.reduce" in line]
     print(f"{registers} registers, spills {spilled} bytes; {reduce or 'NO bulk reduce instruction'}")
     return bool(reduce)
 
