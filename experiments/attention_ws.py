@@ -34,10 +34,13 @@ CONSUMER_WARPS = 4
 # 128 trailed cuDNN by 13% with the H200's tiles, and for long sequences (shared memory: at most 227 KB a program).
 FORWARD_CONFIGS = {64: [(64, 128, 3, "persistent-kt"), (64, 64, 4, "persistent-kt")],
                    128: [(64, 128, 2, "persistent-kt"), (64, 64, 3, "persistent-kt"), (64, 64, 2, "persistent-kt")]}
-# dK/dV (BLOCK_N keys per consumer, BLOCK_M queries per slot, STAGES, schedule): "persistent-tc", each step's
-# lse and δ loaded a step ahead and held one value per thread until used.
-DKDV_CONFIGS = {64: [(64, 64, 2, "persistent-tc"), (64, 64, 3, "persistent-tc")],
-                128: [(64, 64, 3, "persistent-tc"), (64, 64, 2, "persistent-tc"), (64, 32, 4, "persistent-tc"), (64, 32, 3, "persistent-tc")]}
+# dK/dV (BLOCK_N keys per consumer, BLOCK_M queries per slot, STAGES, PIPELINED, schedule): "persistent-tc", each
+# step's lse and δ loaded a step ahead and held one value per thread until used; PIPELINED: K and V in registers, each
+# block's score products issued before the last block's dV and dK products, the consumers' matmuls in turns (round 18;
+# the variants with one or two of the three are at commit 41faac6).
+DKDV_CONFIGS = {64: [(64, 64, 3, True, "persistent-tc"), (64, 64, 2, False, "persistent-tc")],
+                128: [(64, 64, 3, False, "persistent-tc"), (64, 64, 2, False, "persistent-tc"), (64, 32, 4, False, "persistent-tc"),
+                      (64, 32, 3, False, "persistent-tc")]}
 # dQ (BLOCK_M rows per consumer, BLOCK_N keys per slot, STAGES, schedule): "persistent-t", ping-pong over all
 # tiles, O by TMA so that δ is formed from shared memory, dQ stored by TMA.
 DQ_CONFIGS = {64: [(64, 64, 3, "persistent-t"), (64, 32, 4, "persistent-t")],
@@ -48,9 +51,12 @@ HEAD_DIMS = [int(h) for h in os.environ.get("WS_HEAD_DIMS", "64,128").split(",")
 # sections; b: hopper.BALANCED_SECTIONS, the best balanced width that fits, else the widest; t: hopper.TILE_TABLE, each
 # kernel from a host-built table where that balances better, else computed); unset: the package's
 SECTIONS = [s for s in os.environ.get("WS_SECTIONS", "").split(",") if s] or [None]
-PACKAGE_TILES_ONLY = os.environ.get("WS_TILES", "all") == "package"   # WS_TILES=package: only the first tile of each list
-FORWARD_CONFIGS, DKDV_CONFIGS, DQ_CONFIGS = ({hd: c[:1] if PACKAGE_TILES_ONLY else c for hd, c in configs.items() if hd in HEAD_DIMS}
-                                             for configs in (FORWARD_CONFIGS, DKDV_CONFIGS, DQ_CONFIGS))
+PACKAGE_TILES_ONLY = os.environ.get("WS_TILES", "all") == "package"   # WS_TILES=package: only the first tile of each list,
+ALL_TILES = os.environ.get("WS_ALL", "").split(",")                    # but of the kinds named in WS_ALL (forward,dq,dkdv)
+FORWARD_CONFIGS, DKDV_CONFIGS, DQ_CONFIGS = ({hd: c[:1] if PACKAGE_TILES_ONLY and kind not in ALL_TILES else c
+                                              for hd, c in configs.items() if hd in HEAD_DIMS}
+                                             for kind, configs in (("forward", FORWARD_CONFIGS), ("dkdv", DKDV_CONFIGS),
+                                                                   ("dq", DQ_CONFIGS)))
 
 # ---- the package's kernels at a variant's tiles ----------------------------------------------------------------------
 # The variants measured in rounds 1 to 8 and no longer here (warp-specialized per query pair "ws", ping-pong "pp" and
@@ -63,7 +69,7 @@ def ws_forward(q, k, v, variant=0):
 
 def ws_dkdv(do, q, k, v, lse, delta, variant=0):
     "dK, dV (B,T,KV,hd) of the causal attention, from the forward's lse and delta = rowsum(dO * O) (fp32, (B,H,T))."
-    return hopper.hopper_dkdv(do.contiguous(), q, k, v, lse, delta, tiles=DKDV_CONFIGS[q.shape[-1]][variant][:3])
+    return hopper.hopper_dkdv(do.contiguous(), q, k, v, lse, delta, tiles=DKDV_CONFIGS[q.shape[-1]][variant][:4])
 
 def ws_dq(do, q, k, v, o, lse, variant=0):
     "(dq (B,T,H,hd), delta (B,H,T) fp32) of the causal attention, like rtrainer's flash_backward_dq."
@@ -84,7 +90,7 @@ def _maxnreg(ptx):
 KERNELS = dict(  # kind: (configs, kernel of a schedule, constexpr names of a config, descriptor blocks of a config)
     forward=(FORWARD_CONFIGS, {"persistent-kt": hopper_forward_kernel}, ("BLOCK_M", "BLOCK_N", "STAGES"),
              lambda hd, bm, bn: dict(q_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd), o_desc=(bm, hd))),
-    dkdv=(DKDV_CONFIGS, {"persistent-tc": hopper_dkdv_kernel}, ("BLOCK_N", "BLOCK_M", "STAGES"),
+    dkdv=(DKDV_CONFIGS, {"persistent-tc": hopper_dkdv_kernel}, ("BLOCK_N", "BLOCK_M", "STAGES", "PIPELINED"),
           lambda hd, bn, bm: dict(q_desc=(bm, hd), do_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd), dk_desc=(bn, hd), dv_desc=(bn, hd))),
     dq=(DQ_CONFIGS, {"persistent-t": hopper_dq_kernel}, ("BLOCK_M", "BLOCK_N", "STAGES"),
         lambda hd, bm, bn: dict(q_desc=(bm, hd), do_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd), o_desc=(bm, hd), dq_desc=(bm, hd))))
@@ -234,6 +240,8 @@ def gpu_main():
             row = dict(shape=name, kernel=kind, ms=med, tflops={arm: work / m / 1e9 for arm, m in med.items()})
             ws_arms = [arm for arm in arms if arm.startswith("ws")]
             row["speed vs rtrainer"] = {arm: _ratios(times, "rtrainer", arm) for arm in ws_arms}
+            if len(ws_arms) > 1:                            # paired against the first variant, the package's tile
+                row["speed vs first"] = {arm: _ratios(times, ws_arms[0], arm) for arm in ws_arms[1:]}
             if ws_arms and min(med[a] for a in ws_arms) < med["rtrainer"]:     # else forward + backward keeps rtrainer's kernel
                 top = min(ws_arms, key=med.get)
                 best[kind] = (variants[top], top)

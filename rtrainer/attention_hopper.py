@@ -29,8 +29,8 @@ CONSUMER_REGS = 240                # each consumer warpgroup's; 24 + 240 + 240 p
 # (query rows per consumer, keys per ring slot, ring slots) by head dim, measured on an H200 (experiments/attention_ws.py)
 FORWARD_TILES = {64: (64, 128, 3), 128: (64, 128, 2)}
 DQ_TILES = {64: (64, 64, 3), 128: (64, 64, 3)}   # head dim 64 without grouped heads keeps the Triton dQ (GROUPED_ONLY_HEAD_DIMS)
-# (keys per consumer, query rows per ring slot, ring slots)
-DKDV_TILES = {64: (64, 64, 2), 128: (64, 64, 3)}
+# (keys per consumer, query rows per ring slot, ring slots, pipelined with K and V in registers)
+DKDV_TILES = {64: (64, 64, 3, True), 128: (64, 64, 3, False)}
 
 @gluon.jit
 def _barriers(n: gl.constexpr, count: gl.constexpr):
@@ -459,18 +459,87 @@ def _dkdv_step(u, it, first_i, n_i, start_n, k_pos, k_tile, v_tile, q_smem, do_s
     mbarrier.arrive(free_bar.index(slot), count=1)
     return dk, dv, next_lse2, next_delta
 
+@gluon.jit
+def _dkdv_operands(sT, dpT, lse2, delta, qi, start_n, k_pos, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                   BLOCK_M: gl.constexpr, scale_log2):
+    "Pᵀ and dSᵀ = Pᵀ ∘ (dPᵀ − δ) of a query block, as the bf16 register operands of dV += Pᵀ dO and dK += dSᵀ Q."
+    s_cols: gl.constexpr = gl.SliceLayout(0, sT.type.layout)
+    pT = gl.exp2(sT * scale_log2 - gl.expand_dims(gl.convert_layout(lse2, s_cols), 0))
+    if qi * BLOCK_M < start_n + BLOCK_N:              # the block reaches the diagonal
+        q_pos = qi * BLOCK_M + gl.arange(0, BLOCK_M, s_cols)
+        pT = gl.where(gl.expand_dims(q_pos, 0) >= gl.expand_dims(k_pos, 1), pT, 0.0)
+    dsT = pT * (dpT - gl.expand_dims(gl.convert_layout(delta, s_cols), 0))
+    return gl.convert_layout(pT.to(gl.bfloat16), p_layout), gl.convert_layout(dsT.to(gl.bfloat16), p_layout)
+
+@gluon.jit
+def _dkdv_head(base, it, first_i, n_i, start_n, k_pos, k_op, v_op, q_smem, do_smem, q_bar, do_bar, free_bar, turn_bar,
+               dk, dv, zero_s, LSE, DELTA, b, kvh, H, T, GROUP, scale_log2, row_layout: gl.constexpr,
+               p_layout: gl.constexpr, C: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """The query blocks of one head of the group (steps base .. base + n_i - 1 of the tile), pipelined: each block's Sᵀ
+    and dPᵀ (K and V from registers) are issued before the previous block's dV += Pᵀ dO and dK += dSᵀ Q, which run
+    while this block's Pᵀ and dSᵀ are formed; the two consumers issue their matmuls in turns, a step each (it + u).
+    The blocks wholly before this consumer's keys only take their turn and are freed."""
+    other = turn_bar.index(1 - C)
+    skips = gl.minimum(gl.maximum(start_n // BLOCK_M - first_i, 0), n_i)
+    for u in range(base, base + skips):
+        _take_turn(turn_bar, it + u, C)
+        mbarrier.arrive(other, count=1)
+        slot = (it + u) % STAGES
+        mbarrier.wait(q_bar.index(slot), ((it + u) // STAGES) & 1)
+        mbarrier.wait(do_bar.index(slot), ((it + u) // STAGES) & 1)
+        mbarrier.arrive(free_bar.index(slot), count=1)
+    if skips < n_i:
+        u = base + skips
+        prev = (it + u) % STAGES
+        phase = ((it + u) // STAGES) & 1
+        lse2, delta = _dkdv_rows(LSE, DELTA, u, first_i, n_i, b, kvh, H, T, GROUP, row_layout, BLOCK_M)
+        _take_turn(turn_bar, it + u, C)
+        mbarrier.wait(q_bar.index(prev), phase)
+        sT = warpgroup_mma(k_op, q_smem.index(prev).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(do_bar.index(prev), phase)
+        dpT = warpgroup_mma(v_op, do_smem.index(prev).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.arrive(other, count=1)
+        sT, dpT = warpgroup_mma_wait(num_outstanding=0, deps=[sT, dpT])
+        p_op, ds_op = _dkdv_operands(sT, dpT, lse2, delta, first_i + skips, start_n, k_pos, p_layout, BLOCK_N, BLOCK_M,
+                                     scale_log2)
+        for u in range(base + skips + 1, base + n_i):
+            slot = (it + u) % STAGES
+            phase = ((it + u) // STAGES) & 1
+            lse2, delta = _dkdv_rows(LSE, DELTA, u, first_i, n_i, b, kvh, H, T, GROUP, row_layout, BLOCK_M)
+            _take_turn(turn_bar, it + u, C)
+            mbarrier.wait(q_bar.index(slot), phase)
+            sT = warpgroup_mma(k_op, q_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            mbarrier.wait(do_bar.index(slot), phase)
+            dpT = warpgroup_mma(v_op, do_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            dv = warpgroup_mma(p_op, do_smem.index(prev), dv, is_async=True)
+            dk = warpgroup_mma(ds_op, q_smem.index(prev), dk, is_async=True)
+            mbarrier.arrive(other, count=1)
+            sT, dpT = warpgroup_mma_wait(num_outstanding=2, deps=[sT, dpT])
+            p_next, ds_next = _dkdv_operands(sT, dpT, lse2, delta, first_i + u - base, start_n, k_pos, p_layout, BLOCK_N,
+                                             BLOCK_M, scale_log2)
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
+            mbarrier.arrive(free_bar.index(prev), count=1)
+            p_op, ds_op, prev = p_next, ds_next, slot
+        dv = warpgroup_mma(p_op, do_smem.index(prev), dv, is_async=True)
+        dk = warpgroup_mma(ds_op, q_smem.index(prev), dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
+        mbarrier.arrive(free_bar.index(prev), count=1)
+    return dk, dv
+
 # %% ../nbs/02a_attention_hopper.ipynb #75819d87
 @gluon.jit
-def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, out_smem, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar,
+def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, out_smem, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar, turn_bar,
                    LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, HEADS, ORDER, n_pairs, scale_log2,
                    sm_scale, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                   STAGES: gl.constexpr, TABLE: gl.constexpr):
-    "Consumer C: keys C*BLOCK_N .. of every tile's pair; dK and dV leave by TMA store (masked stores on a ragged last block)."
+                   STAGES: gl.constexpr, TABLE: gl.constexpr, PIPELINED: gl.constexpr):
+    """Consumer C: keys C*BLOCK_N .. of every tile's pair, step by step or PIPELINED (K and V in registers, `_dkdv_head`);
+    dK and dV leave by TMA store (masked stores on a ragged last block)."""
     NW: gl.constexpr = 4
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
     row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])   # lse, δ between steps: one value per thread
+    kv_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)   # K, V when PIPELINED
     zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     k_tile = k_smem.index(C)
     v_tile = v_smem.index(C)
@@ -488,12 +557,20 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, out_smem, dk_desc, dv_desc, 
         k_pos = start_n + gl.arange(0, BLOCK_N, gl.SliceLayout(1, s_layout))
         dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, a_layout)
         dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, a_layout)
-        lse2, delta = _dkdv_rows(LSE, DELTA, 0, first_i, n_i, b, kvh, H, T, GROUP, row_layout, BLOCK_M)
         mbarrier.wait(kv_bar.index(C), tc & 1)
-        for u in range(steps):
-            dk, dv, lse2, delta = _dkdv_step(u, it, first_i, n_i, start_n, k_pos, k_tile, v_tile, q_smem, do_smem, q_bar,
-                                             do_bar, free_bar, dk, dv, lse2, delta, zero_s, LSE, DELTA, b, kvh, H, T, GROUP,
-                                             scale_log2, row_layout, p_layout, BLOCK_N, BLOCK_M, STAGES)
+        if PIPELINED:
+            k_op = k_tile.load(kv_layout)             # K and V as the score products' register operand
+            v_op = v_tile.load(kv_layout)
+            for g in range(GROUP):
+                dk, dv = _dkdv_head(g * n_i, it, first_i, n_i, start_n, k_pos, k_op, v_op, q_smem, do_smem, q_bar, do_bar,
+                                    free_bar, turn_bar, dk, dv, zero_s, LSE, DELTA, b, kvh, H, T, GROUP, scale_log2,
+                                    row_layout, p_layout, C, BLOCK_N, BLOCK_M, STAGES)
+        else:
+            lse2, delta = _dkdv_rows(LSE, DELTA, 0, first_i, n_i, b, kvh, H, T, GROUP, row_layout, BLOCK_M)
+            for u in range(steps):
+                dk, dv, lse2, delta = _dkdv_step(u, it, first_i, n_i, start_n, k_pos, k_tile, v_tile, q_smem, do_smem,
+                                                 q_bar, do_bar, free_bar, dk, dv, lse2, delta, zero_s, LSE, DELTA, b, kvh,
+                                                 H, T, GROUP, scale_log2, row_layout, p_layout, BLOCK_N, BLOCK_M, STAGES)
         mbarrier.arrive(kv_free.index(C), count=1)    # this tile's K and V are no longer read
         if start_n + BLOCK_N <= T:
             tma.store_wait(0)                         # the last tile's stores have left out_smem
@@ -517,7 +594,7 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, out_smem, dk_desc, dv_desc, 
 def hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh,
                        H, KV, T, GROUP, BKV, HEADS, ORDER, n_pairs, scale_log2, sm_scale,
                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                       TABLE: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
+                       TABLE: gl.constexpr, PIPELINED: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
     "Persistent dK/dV: one program per SM over (key pair, batch x KV head) tiles, the pairs with most query blocks first."
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, BLOCK_N, HEAD_DIM], v_desc.layout)
@@ -530,13 +607,14 @@ def hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, D
     q_bar = _barriers(STAGES, 1)
     do_bar = _barriers(STAGES, 1)
     free_bar = _barriers(STAGES, 2)
+    turn_bar = _barriers(2, 1)
     gl.warp_specialize([
-        (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, out0, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar,
+        (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, out0, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar, turn_bar,
                           LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, HEADS, ORDER, n_pairs,
-                          scale_log2, sm_scale, 0, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, TABLE)),
-        (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, out1, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar,
+                          scale_log2, sm_scale, 0, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, TABLE, PIPELINED)),
+        (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, out1, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar, turn_bar,
                           LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, HEADS, ORDER, n_pairs,
-                          scale_log2, sm_scale, 1, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, TABLE)),
+                          scale_log2, sm_scale, 1, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, TABLE, PIPELINED)),
         (_dkdv_loader, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, q_bar, do_bar, free_bar,
                         KV, T, GROUP, BKV, HEADS, ORDER, n_pairs, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, TABLE)),
     ], [4, 1], [REGS, LOADER_REGS])
@@ -715,7 +793,7 @@ def hopper_dkdv(do, q, k, v, lse, delta, dk=None, dv=None, tiles=None):
     `tiles` replaces DKDV_TILES[hd] (experiments)."""
     B, T, H, hd = q.shape
     KV = k.shape[2]
-    block_n, block_m, stages = tiles or DKDV_TILES[hd]
+    block_n, block_m, stages, pipelined = tiles or DKDV_TILES[hd]
     dk = torch.empty(B, T, KV, hd, dtype=q.dtype, device=q.device) if dk is None else dk
     dv = torch.empty_like(dk) if dv is None else dv
     n_pairs = triton.cdiv(T, 2 * block_n)
@@ -725,7 +803,7 @@ def hopper_dkdv(do, q, k, v, lse, delta, dk=None, dv=None, tiles=None):
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
         _descriptor(dk, block_n), _descriptor(dv, block_n), lse, delta, dk, dv, *dk.stride()[:3], H, KV, T, H // KV, B * KV,
         width, lse if table is None else table, n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_N=block_n, BLOCK_M=block_m,
-        STAGES=stages, TABLE=table is not None,
+        STAGES=stages, TABLE=table is not None, PIPELINED=pipelined,
         REGS=CONSUMER_REGS, num_warps=4)
     CALLS["dkdv"] += 1
     return dk, dv

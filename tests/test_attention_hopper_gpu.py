@@ -67,6 +67,21 @@ def test_hopper_kernels_in_a_table_order(B, T, H, KV, hd, monkeypatch):
     assert all(hopper.CALLS[kind] >= 2 for kind in ("forward", "dq", "dkdv")), dict(hopper.CALLS)
     assert sorted(set(plans)) == ["dkdv", "dq", "forward"], plans
 
+@pytest.mark.parametrize("tiles", [(64, 64, 3, True), (64, 64, 2, False)])
+@pytest.mark.parametrize("B,T,H,KV", [(2, 1000, 12, 4), (1, 900, 4, 2), (1, 1, 4, 2), (2, 513, 6, 6)])
+def test_hopper_dkdv_both_schedules(tiles, B, T, H, KV, monkeypatch):
+    """The dK/dV kernel pipelined (the package's at head dim 64) and step by step, at head dim 64 against float64,
+    grouped heads or not: T 900 leaves the second consumer's keys of the last pair past T, T 1 all of them; 1000 and
+    513 end in ragged blocks."""
+    hopper = _hopper(monkeypatch)
+    from rtrainer.attention import attention_parity_errors
+    monkeypatch.setitem(hopper.DKDV_TILES, 64, tiles)
+    monkeypatch.setattr(hopper, "GROUPED_ONLY_HEAD_DIMS", set())
+    hopper.CALLS.clear()
+    errors = attention_parity_errors(B, T, H, KV, 64, torch.bfloat16, True, device="cuda")
+    assert max(errors.values()) < 1e-2, errors
+    assert hopper.CALLS["dkdv"] == 2, dict(hopper.CALLS)
+
 def _tile_start(kind, t, n_pairs, heads, width, per_batch, rows):
     "(batch, head, first row) of the tile at index t of `kind`'s order in sections of `width` heads (the kernels' _sectioned, _tile)."
     first = t // (n_pairs * width) * width
