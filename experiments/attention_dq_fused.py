@@ -28,7 +28,6 @@ from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, fenc
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tma_reduce import async_reduce_add
-import rtrainer.attention_hopper as hopper
 from rtrainer.attention_hopper import (_barriers, _take_turn, _sectioned, _ordered, _dkdv_loader, _dkdv_rows, _descriptor, _plan,
                                        _sm_count, LOADER_REGS, CONSUMER_REGS, LOG2E)
 from rtrainer.kernels import launch
