@@ -113,7 +113,7 @@ def _fused_head(base, it, first_i, n_i, start_n, k_pos, k_op, v_op, k_tile, q_sm
             sT, dpT = warpgroup_mma_wait(num_outstanding=2, deps=[sT, dpT])
             qi = first_i + u - base
             p_op, dsT = _operands(sT, dpT, lse2, delta, qi, start_n, k_pos, p_layout, BLOCK_N, BLOCK_M, scale_log2)
-            ds_smem.index(1 - pb).store(dsT)          # its last reader, the last block's dQ product, is done
+            ds_smem.index(1 - pb).store(dsT)          # its readers, the block before last's dK and dQ products, are done
             dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
             mbarrier.arrive(free_bar.index(prev), count=1)
             fence_async_shared()
@@ -305,7 +305,7 @@ def check(case):
 def gpu_main():
     from attention_gluon import _alternate, _ratios
     from attention_configs import shape_dims
-    from rtrainer.attention import flash_attention_forward, flash_backward, attention_flops
+    from rtrainer.attention import flash_attention_forward, flash_attention_backward, attention_flops
     from torch.nn.attention import sdpa_kernel, SDPBackend
     import torch.nn.functional as F
     payload = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
@@ -335,7 +335,7 @@ def gpu_main():
         def cudnn_both():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION): out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
             torch.autograd.grad(out, (qt, kt, vt), dot)
-        arms = dict(two=lambda: flash_backward(do, q, k, v, o, lse, True), fused=lambda: fused_backward(do, q, k, v, o, lse))
+        arms = dict(two=lambda: flash_attention_backward(do, q, k, v, o, lse, True), fused=lambda: fused_backward(do, q, k, v, o, lse))
         times = _alternate(arms, ROUNDS)
         flops = attention_flops(B, H, T, hd)
         med = {arm: statistics.median(t) for arm, t in times.items()}
@@ -343,7 +343,7 @@ def gpu_main():
                    fused_vs_two=_ratios(times, "two", "fused"))
         payload["rows"].append(row)
         table.append((name, "backward", row["tflops"], row["fused_vs_two"]))
-        both = dict(rtrainer=lambda: flash_backward(do, q, k, v, *flash_attention_forward(q, k, v, True), True),
+        both = dict(rtrainer=lambda: flash_attention_backward(do, q, k, v, *flash_attention_forward(q, k, v, True), True),
                     fused=lambda: fused_backward(do, q, k, v, *flash_attention_forward(q, k, v, True)), cudnn=cudnn_both)
         times = _alternate(both, ROUNDS)
         med = {arm: statistics.median(t) for arm, t in times.items()}
