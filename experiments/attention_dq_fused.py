@@ -7,9 +7,9 @@ T 8192, head dim 64, that is why it trails cuDNN (experiments/attention_ws.md, r
 traffic: each consumer adds a (64 queries, 64) fp32 block into dQ per step, 4 bytes per score, where the two kernels
 read Q, dO, K and V once more. experiments/tma_reduce.py checks the reduce-add copy this needs.
 
-Per consumer and step: dSᵀ (keys x queries, bf16) goes to shared memory (two buffers), the next step issues
-dQ_part = dS K (dS read transposed from shared memory, K this consumer's tile) beside dV and dK, and its fp32 result
-leaves by `async_reduce_add` from a shared buffer. δ = rowsum(dO ∘ O) comes from a small kernel that also zeroes the
+Per consumer and step: dSᵀ (keys x queries, bf16) goes to shared memory (two buffers), where dK += dSᵀ Q reads it;
+the next block's turn starts with dQ_part = dS K (dS read transposed, K this consumer's tile), waits for it alone, and
+adds its fp32 result by `async_reduce_add` from a shared buffer before the block's dV and dK products. δ = rowsum(dO ∘ O) comes from a small kernel that also zeroes the
 fp32 dQ buffer; a last kernel scales dQ and converts it to bf16.
 
 `python experiments/attention_dq_fused.py --compile` compiles the kernel for sm_90 without a GPU. On a GPU it runs a
@@ -17,7 +17,8 @@ small launch in a child with a time limit (an mbarrier mistake hangs), checks dQ
 shapes, then times the backward (fused against the package's two kernels) and forward + backward (against cuDNN),
 alternated (ROUNDS), at head-dim-64 shapes (FUSED_SHAPES); writes $OUT/attention_dq_fused.json, a short table last.
 
-This is an experiment, not part of rtrainer."""
+Measured on an H100 (experiments/attention_dq_fused.md): right, but 0.90x to 0.99x of the two kernels from T 2048 and
+0.73x at rb100m. This is an experiment, not part of rtrainer."""
 import json, math, os, statistics, subprocess, sys, time
 import torch
 import triton
@@ -62,11 +63,12 @@ def _add_dq(dq, dq_smem, dq_desc, row, col):
 def _fused_head(base, it, first_i, n_i, start_n, k_pos, k_op, v_op, k_tile, q_smem, do_smem, ds_smem, dq_smem, dq_desc,
                 q_bar, do_bar, free_bar, turn_bar, dk, dv, zero_s, zero_q, LSE, DELTA, b, kvh, H, T, GROUP, scale_log2,
                 row_layout: gl.constexpr, p_layout: gl.constexpr, C: gl.constexpr, HEAD_DIM: gl.constexpr,
-                BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+                BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, EARLY_TURN: gl.constexpr):
     """attention_hopper._dkdv_head with dQ. A block's dQ_part = dS K (dSᵀ from shared memory, two buffers by the
     block's parity) is issued first in the next block's turn, ahead of that block's score products; it is waited for,
     and reduce-added into dQ, before the block's own dV and dK products are issued. So no product is in flight across
-    steps, and while Pᵀ and dSᵀ are formed only dV and dK are, as in the package's kernel."""
+    steps, and while Pᵀ and dSᵀ are formed only dV and dK are, as in the package's kernel. EARLY_TURN ends the turn
+    after the score products, so that the other consumer issues while this one waits for dQ and adds it."""
     other = turn_bar.index(1 - C)
     skips = gl.minimum(gl.maximum(start_n // BLOCK_M - first_i, 0), n_i)
     for u in range(base, base + skips):
@@ -105,11 +107,14 @@ def _fused_head(base, it, first_i, n_i, start_n, k_pos, k_op, v_op, k_tile, q_sm
             sT = warpgroup_mma(k_op, q_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             mbarrier.wait(do_bar.index(slot), phase)
             dpT = warpgroup_mma(v_op, do_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            if EARLY_TURN:
+                mbarrier.arrive(other, count=1)
             dq = warpgroup_mma_wait(num_outstanding=2, deps=[dq])
             _add_dq(dq, dq_smem, dq_desc, row0 + qi_prev * BLOCK_M, col)
             dv = warpgroup_mma(p_op, do_smem.index(prev), dv, is_async=True)
             dk = warpgroup_mma(ds_smem.index(pb), q_smem.index(prev), dk, is_async=True)
-            mbarrier.arrive(other, count=1)
+            if not EARLY_TURN:
+                mbarrier.arrive(other, count=1)
             sT, dpT = warpgroup_mma_wait(num_outstanding=2, deps=[sT, dpT])
             qi = first_i + u - base
             p_op, dsT = _operands(sT, dpT, lse2, delta, qi, start_n, k_pos, p_layout, BLOCK_N, BLOCK_M, scale_log2)
@@ -130,7 +135,8 @@ def _fused_head(base, it, first_i, n_i, start_n, k_pos, k_op, v_op, k_tile, q_sm
 def _fused_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, out_smem, dk_desc, dv_desc, dq_desc, kv_bar, kv_free,
                     q_bar, do_bar, free_bar, turn_bar, LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP,
                     BKV, HEADS, ORDER, n_pairs, scale_log2, sm_scale, C: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, TABLE: gl.constexpr):
+                    BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, TABLE: gl.constexpr,
+                    EARLY_TURN: gl.constexpr):
     "attention_hopper._dkdv_consumer, pipelined, with `_fused_head`: dK and dV leave as there, dQ by reduce-add."
     NW: gl.constexpr = 4
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16])
@@ -161,7 +167,8 @@ def _fused_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, out_smem,
         for g in range(GROUP):
             dk, dv = _fused_head(g * n_i, it, first_i, n_i, start_n, k_pos, k_op, v_op, k_tile, q_smem, do_smem, ds_smem,
                                  dq_smem, dq_desc, q_bar, do_bar, free_bar, turn_bar, dk, dv, zero_s, zero_q, LSE, DELTA,
-                                 b, kvh, H, T, GROUP, scale_log2, row_layout, p_layout, C, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES)
+                                 b, kvh, H, T, GROUP, scale_log2, row_layout, p_layout, C, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES,
+                                 EARLY_TURN)
         mbarrier.arrive(kv_free.index(C), count=1)    # the dQ products that read K have completed
         if start_n + BLOCK_N <= T:
             tma.store_wait(0)
@@ -185,7 +192,7 @@ def _fused_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, out_smem,
 def fused_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, DK, DV, stride_dkb,
                           stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, HEADS, ORDER, n_pairs, scale_log2, sm_scale,
                           HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                          TABLE: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
+                          TABLE: gl.constexpr, EARLY_TURN: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
     "hopper_dkdv_kernel's program with `_fused_consumer`: per consumer two dSᵀ buffers and one fp32 dQ buffer more."
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, BLOCK_N, HEAD_DIM], v_desc.layout)
@@ -207,10 +214,12 @@ def fused_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_
     gl.warp_specialize([
         (_fused_consumer, (k_smem, v_smem, q_smem, do_smem, ds0, dq0, out0, dk_desc, dv_desc, dq_desc, kv_bar, kv_free, q_bar,
                            do_bar, free_bar, turn_bar, LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP,
-                           BKV, HEADS, ORDER, n_pairs, scale_log2, sm_scale, 0, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, TABLE)),
+                           BKV, HEADS, ORDER, n_pairs, scale_log2, sm_scale, 0, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, TABLE,
+                           EARLY_TURN)),
         (_fused_consumer, (k_smem, v_smem, q_smem, do_smem, ds1, dq1, out1, dk_desc, dv_desc, dq_desc, kv_bar, kv_free, q_bar,
                            do_bar, free_bar, turn_bar, LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP,
-                           BKV, HEADS, ORDER, n_pairs, scale_log2, sm_scale, 1, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, TABLE)),
+                           BKV, HEADS, ORDER, n_pairs, scale_log2, sm_scale, 1, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, TABLE,
+                           EARLY_TURN)),
         (_dkdv_loader, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, q_bar, do_bar, free_bar,
                         KV, T, GROUP, BKV, HEADS, ORDER, n_pairs, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, TABLE)),
     ], [4, 1], [REGS, LOADER_REGS])
@@ -240,7 +249,7 @@ def _fp32_descriptor(t, rows, hd):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, hd],
                             gl.NVMMASharedLayout.get_default_for([rows, hd], gl.float32))
 
-def fused_backward(do, q, k, v, o, lse, tiles=TILES):
+def fused_backward(do, q, k, v, o, lse, tiles=TILES, early_turn=False):
     "(dq, dk, dv) of causal attention, head dim 64, by δ, the fused kernel and the dQ conversion; do, o contiguous."
     B, T, H, hd = q.shape
     KV = k.shape[2]
@@ -258,24 +267,28 @@ def fused_backward(do, q, k, v, o, lse, tiles=TILES):
            _descriptor(dk, block_n), _descriptor(dv, block_n), _fp32_descriptor(dq_acc, block_m, hd), lse, delta, dk, dv,
            *dk.stride()[:3], H, KV, T, H // KV, B * KV, width, lse if table is None else table, n_pairs, LOG2E / hd ** 0.5,
            1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, TABLE=table is not None,
-           REGS=CONSUMER_REGS, num_warps=4)
+           EARLY_TURN=early_turn, REGS=CONSUMER_REGS, num_warps=4)
     dq = torch.empty(B, T, H, hd, dtype=q.dtype, device=q.device)
     launch(finish_kernel, (triton.cdiv(dq.numel(), 4096),), dq_acc, dq, dq.numel(), 1.0 / hd ** 0.5, BLOCK=4096)
     return dq, dk, dv
 
+VARIANTS = {"fused": False, "fused early turn": True}   # arm: EARLY_TURN (measured on an H100: "fused" only)
+
 def compile_check():
-    "The fused kernel compiled for sm_90 without a GPU: registers, spills, shared memory, wgmma and reduce instructions."
+    "Each variant compiled for sm_90 without a GPU: registers, spills, shared memory, wgmma and reduce instructions."
     from sm90_compile import compile_gluon_sm90
     bn, bm, stages = TILES
     descs = dict(q_desc=(bm, 64), do_desc=(bm, 64), k_desc=(bn, 64), v_desc=(bn, 64), dk_desc=(bn, 64), dv_desc=(bn, 64),
                  dq_desc=(bm, 64, "fp32"))
-    for table in (False, True):
-        usage, smem, ptx = compile_gluon_sm90(fused_backward_kernel, dict(HEAD_DIM=64, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages,
-                                                                          TABLE=table, REGS=CONSUMER_REGS, num_warps=4),
-                                              descs, 4, types=dict(LSE="*fp32", DELTA="*fp32", DK="*bf16", DV="*bf16",
-                                                                   ORDER="*i32" if table else "*fp32"))
-        print(f"fused dK/dV + dQ, TABLE={table}: {usage}, shared {smem} B, wgmma {ptx.count('wgmma.mma_async')}, "
-              f"reduce {ptx.count('cp.reduce.async.bulk')}")
+    for arm, early in VARIANTS.items():
+        for table in (False, True):
+            usage, smem, ptx = compile_gluon_sm90(fused_backward_kernel, dict(HEAD_DIM=64, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages,
+                                                                              TABLE=table, EARLY_TURN=early, REGS=CONSUMER_REGS,
+                                                                              num_warps=4),
+                                                  descs, 4, types=dict(LSE="*fp32", DELTA="*fp32", DK="*bf16", DV="*bf16",
+                                                                       ORDER="*i32" if table else "*fp32"))
+            print(f"{arm}, TABLE={table}: {usage}, shared {smem} B, wgmma {ptx.count('wgmma.mma_async')}, "
+                  f"reduce {ptx.count('cp.reduce.async.bulk')}")
     return True
 
 def _inputs(B, T, H, KV, hd, seed=1):
@@ -286,20 +299,29 @@ def _inputs(B, T, H, KV, hd, seed=1):
     o, lse = flash_attention_forward(q, k, v, True)
     return q, k, v, do, o, lse
 
-def smoke():
-    "One small launch (run in a child with a time limit)."
+def smoke(arm):
+    "One small launch of one variant (run in a child with a time limit)."
     q, k, v, do, o, lse = _inputs(1, 400, 4, 2, 64)
-    fused_backward(do, q, k, v, o, lse)
+    fused_backward(do, q, k, v, o, lse, early_turn=VARIANTS[arm])
     torch.cuda.synchronize()
     print("SMOKE ok", flush=True)
 
-def check(case):
-    "Relative errors of dQ, dK, dV against float64 autograd."
+def _smoked(arm):
+    "{ok, note} of one variant's smoke run in a child process with a time limit (an mbarrier mistake hangs)."
+    try:
+        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--smoke", arm], capture_output=True, text=True,
+                           timeout=SMOKE_TIMEOUT_S)
+        return dict(ok="SMOKE ok" in p.stdout, note=p.stderr.strip()[-600:])
+    except subprocess.TimeoutExpired:
+        return dict(ok=False, note=f"hung: stopped after {SMOKE_TIMEOUT_S} s")
+
+def check(case, arm):
+    "Relative errors of one variant's dQ, dK, dV against float64 autograd."
     from rtrainer.attention import relative_error, attention_reference
     q, k, v, do, o, lse = _inputs(*case)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     want = torch.autograd.grad(attention_reference(q64, k64, v64, True), (q64, k64, v64), do.double())
-    got = fused_backward(do, q, k, v, o, lse)
+    got = fused_backward(do, q, k, v, o, lse, early_turn=VARIANTS[arm])
     return {name: relative_error(g, w) for name, g, w in zip(("dq", "dk", "dv"), got, want)}
 
 def gpu_main():
@@ -310,23 +332,21 @@ def gpu_main():
     import torch.nn.functional as F
     payload = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
                    triton=triton.__version__, commit=os.environ.get("RTRAINER_COMMIT", ""), tiles=TILES, rounds=ROUNDS,
-                   checks=[], rows=[])
-    try:
-        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--smoke"], capture_output=True, text=True,
-                           timeout=SMOKE_TIMEOUT_S)
-        payload["smoke"] = dict(ok="SMOKE ok" in p.stdout, note=p.stderr.strip()[-600:])
-    except subprocess.TimeoutExpired:
-        payload["smoke"] = dict(ok=False, note=f"hung: stopped after {SMOKE_TIMEOUT_S} s")
-    print("smoke:", payload["smoke"], flush=True)
-    ok = payload["smoke"]["ok"]
-    for case in CHECK_CASES if ok else ():
-        row = dict(case=case, **check(case))
-        row["ok"] = all(math.isfinite(row[n]) and row[n] < 1e-2 for n in ("dq", "dk", "dv"))
-        payload["checks"].append(row)
-        print(row, flush=True)
-        ok = ok and row["ok"]
+                   smoke={}, checks=[], rows=[])
+    passed = []
+    for arm in VARIANTS:
+        payload["smoke"][arm] = _smoked(arm)
+        print("smoke", arm, payload["smoke"][arm], flush=True)
+        ok = payload["smoke"][arm]["ok"]
+        for case in CHECK_CASES if ok else ():
+            row = dict(arm=arm, case=case, **check(case, arm))
+            row["ok"] = all(math.isfinite(row[n]) and row[n] < 1e-2 for n in ("dq", "dk", "dv"))
+            payload["checks"].append(row)
+            print(row, flush=True)
+            ok = ok and row["ok"]
+        if ok: passed.append(arm)
     table = []
-    for name in SHAPES if ok else ():
+    for name in SHAPES if passed else ():
         B, H, KV, T, hd = shape_dims(name)
         q, k, v, do, o, lse = _inputs(B, T, H, KV, hd, seed=2)
         qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k.repeat_interleave(H // KV, 2),
@@ -335,32 +355,31 @@ def gpu_main():
         def cudnn_both():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION): out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
             torch.autograd.grad(out, (qt, kt, vt), dot)
-        arms = dict(two=lambda: flash_attention_backward(do, q, k, v, o, lse, True), fused=lambda: fused_backward(do, q, k, v, o, lse))
-        times = _alternate(arms, ROUNDS)
         flops = attention_flops(B, H, T, hd)
-        med = {arm: statistics.median(t) for arm, t in times.items()}
-        row = dict(shape=name, kernel="backward", ms=med, tflops={a: 2.5 * flops / m / 1e9 for a, m in med.items()},
-                   fused_vs_two=_ratios(times, "two", "fused"))
-        payload["rows"].append(row)
-        table.append((name, "backward", row["tflops"], row["fused_vs_two"]))
-        both = dict(rtrainer=lambda: flash_attention_backward(do, q, k, v, *flash_attention_forward(q, k, v, True), True),
-                    fused=lambda: fused_backward(do, q, k, v, *flash_attention_forward(q, k, v, True)), cudnn=cudnn_both)
-        times = _alternate(both, ROUNDS)
-        med = {arm: statistics.median(t) for arm, t in times.items()}
-        row = dict(shape=name, kernel="forward+backward", ms=med, tflops={a: 3.5 * flops / m / 1e9 for a, m in med.items()},
-                   fused_vs_cudnn=_ratios(times, "cudnn", "fused"), rtrainer_vs_cudnn=_ratios(times, "cudnn", "rtrainer"))
-        payload["rows"].append(row)
-        table.append((name, "fwd+bwd", row["tflops"], row["fused_vs_cudnn"]))
-        print(name, {r["kernel"]: {a: round(x, 1) for a, x in r["tflops"].items()} for r in payload["rows"][-2:]}, flush=True)
+        arms = dict(two=lambda: flash_attention_backward(do, q, k, v, o, lse, True))
+        arms.update({arm: lambda e=VARIANTS[arm]: fused_backward(do, q, k, v, o, lse, early_turn=e) for arm in passed})
+        both = dict(rtrainer=lambda: flash_attention_backward(do, q, k, v, *flash_attention_forward(q, k, v, True), True))
+        both.update({arm: lambda e=VARIANTS[arm]: fused_backward(do, q, k, v, *flash_attention_forward(q, k, v, True),
+                                                                 early_turn=e) for arm in passed})
+        both["cudnn"] = cudnn_both
+        for kind, work, timed, base in (("backward", 2.5, arms, "two"), ("forward+backward", 3.5, both, "cudnn")):
+            times = _alternate(timed, ROUNDS)
+            med = {arm: statistics.median(t) for arm, t in times.items()}
+            row = dict(shape=name, kernel=kind, ms=med, tflops={a: work * flops / m / 1e9 for a, m in med.items()},
+                       **{f"{arm} vs {base}": _ratios(times, base, arm) for arm in timed if arm != base})
+            payload["rows"].append(row)
+            table.append((name, kind, row["tflops"], {k[:-len(base) - 4]: v for k, v in row.items() if k.endswith(f" vs {base}")}))
+            print(name, kind, {a: round(x, 1) for a, x in row["tflops"].items()}, flush=True)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "attention_dq_fused.json"), "w") as f: json.dump(payload, f, indent=1)
-    print("\nshape     kind      TFLOP/s by arm; fused against two kernels (backward) or cuDNN (fwd+bwd) [95%]")
-    for name, kind, tf, r in table:
-        print(f"{name:9} {kind:9} " + ", ".join(f"{a} {x:.1f}" for a, x in tf.items()) + " ; %.3f [%.3f, %.3f]" % r)
-    return ok
+    print("\nshape     kind              TFLOP/s by arm; each against two kernels (backward) or cuDNN (fwd+bwd) [95%]")
+    for name, kind, tf, ratios in table:
+        print(f"{name:9} {kind:17} " + ", ".join(f"{a} {x:.1f}" for a, x in tf.items()) + " ; "
+              + ", ".join(f"{a} %.3f [%.3f, %.3f]" % r for a, r in ratios.items()))
+    return bool(passed) and len(passed) == len(VARIANTS)
 
 if __name__ == "__main__":
     if "--compile" in sys.argv: sys.exit(0 if compile_check() else 1)
     if not torch.cuda.is_available(): sys.exit("attention_dq_fused: needs a CUDA GPU (or --compile)")
-    if "--smoke" in sys.argv: smoke()
+    if "--smoke" in sys.argv: smoke(sys.argv[sys.argv.index("--smoke") + 1])
     else: sys.exit(0 if gpu_main() else 1)
