@@ -28,7 +28,9 @@ LOADER_REGS = gl.constexpr(24)     # registers per thread of the loader warp: it
 CONSUMER_REGS = 240                # each consumer warpgroup's; 24 + 240 + 240 per lane of three warpgroups fill the register file
 # (query rows per consumer, keys per ring slot, ring slots) by head dim, measured on an H200 (experiments/attention_ws.py)
 FORWARD_TILES = {64: (64, 128, 3), 128: (64, 128, 2)}
-DQ_TILES = {64: (64, 64, 3), 128: (64, 64, 3)}   # head dim 64 without grouped heads keeps the Triton dQ (GROUPED_ONLY_HEAD_DIMS)
+# (query rows per consumer, keys per ring slot, ring slots, Q and dO in registers); head dim 64 without grouped heads keeps
+# the Triton dQ (GROUPED_ONLY_HEAD_DIMS)
+DQ_TILES = {64: (64, 64, 3, True), 128: (64, 64, 3, False)}
 # (keys per consumer, query rows per ring slot, ring slots, pipelined with K and V in registers)
 DKDV_TILES = {64: (64, 64, 3, True), 128: (64, 64, 3, False)}
 
@@ -272,19 +274,21 @@ def _dq_ds(s, dp, j, n_full, lse2, delta, q_pos, scale_log2, k_cols: gl.constexp
 def _dq_consumer(q_smem, do_smem, o_smem, dq_smem, dq_desc, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar, turn_bar,
                  LSE, DELTA, DQ, stride_dqb, stride_dqt, stride_dqh, H, T, GROUP, BH, HEADS, ORDER, n_pairs, scale_log2, sm_scale,
                  C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 TABLE: gl.constexpr):
+                 TABLE: gl.constexpr, QDO_REGS: gl.constexpr):
     """Consumer C of the dQ kernel, per tile: δ = rowsum(dO ∘ O) of its rows from shared memory (stored for the dK/dV
     kernel), then per key block a turn that issues S_j = Q K_jᵀ, dP_j = dO V_jᵀ and the previous block's dQ += dS K,
-    and dS_j while the other consumer's turn runs; dQ leaves by TMA store."""
+    and dS_j while the other consumer's turn runs; dQ leaves by TMA store. QDO_REGS: Q and dO are the score products'
+    register operand, so that those read only K and V from shared memory."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)   # Q, dO when QDO_REGS
     load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     q_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     k_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    q_tile = q_smem.index(C)
-    do_tile = do_smem.index(C)
+    q_smem_c = q_smem.index(C)
+    do_smem_c = do_smem.index(C)
     other = turn_bar.index(1 - C)
     it = 0
     tc = 0
@@ -297,9 +301,15 @@ def _dq_consumer(q_smem, do_smem, o_smem, dq_smem, dq_desc, k_smem, v_smem, q_ba
         lse2 = gl.load(LSE + head + q_pos, mask=q_pos < T, other=float("inf")) * _LOG2E
         mbarrier.wait(q_bar.index(C), tc & 1)
         rows = start + gl.arange(0, BLOCK_M, gl.SliceLayout(1, load_layout))
-        delta_rows = gl.sum(o_smem.index(C).load(load_layout).to(gl.float32) * do_tile.load(load_layout).to(gl.float32), axis=1)
+        delta_rows = gl.sum(o_smem.index(C).load(load_layout).to(gl.float32) * do_smem_c.load(load_layout).to(gl.float32), axis=1)
         gl.store(DELTA + head + rows, delta_rows, mask=rows < T)
         delta = gl.convert_layout(delta_rows, q_rows)
+        if QDO_REGS:
+            q_tile = q_smem_c.load(op_layout)
+            do_tile = do_smem_c.load(op_layout)
+        else:
+            q_tile = q_smem_c
+            do_tile = do_smem_c
         n = gl.cdiv(gl.minimum(start + BLOCK_M, T), BLOCK_N)
         n_max = gl.cdiv(gl.minimum(pair_m + 2 * BLOCK_M, T), BLOCK_N)
         n_full = gl.minimum(start // BLOCK_N, n)
@@ -359,8 +369,8 @@ def _dq_consumer(q_smem, do_smem, o_smem, dq_smem, dq_desc, k_smem, v_smem, q_ba
 @gluon.jit
 def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, LSE, DELTA, DQ, stride_dqb, stride_dqt, stride_dqh,
                      H, T, GROUP, BH, HEADS, ORDER, n_pairs, scale_log2, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TABLE: gl.constexpr, REGS: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TABLE: gl.constexpr, QDO_REGS: gl.constexpr,
+                     REGS: gl.constexpr, num_warps: gl.constexpr):
     "dQ (and δ) of causal attention, bf16: one program per SM over (query pair, batch x head) tiles, longest first."
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
@@ -378,10 +388,10 @@ def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, LSE, DELT
     gl.warp_specialize([
         (_dq_consumer, (q_smem, do_smem, o_smem, dq0, dq_desc, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar, turn_bar,
                         LSE, DELTA, DQ, stride_dqb, stride_dqt, stride_dqh, H, T, GROUP, BH, HEADS, ORDER, n_pairs, scale_log2,
-                        sm_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, TABLE)),
+                        sm_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, TABLE, QDO_REGS)),
         (_dq_consumer, (q_smem, do_smem, o_smem, dq1, dq_desc, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar, turn_bar,
                         LSE, DELTA, DQ, stride_dqb, stride_dqt, stride_dqh, H, T, GROUP, BH, HEADS, ORDER, n_pairs, scale_log2,
-                        sm_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, TABLE)),
+                        sm_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, TABLE, QDO_REGS)),
         (_dq_loader, (q_desc, k_desc, v_desc, do_desc, o_desc, q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, q_free, k_bar, v_bar,
                       free_bar, H, T, GROUP, BH, HEADS, ORDER, n_pairs, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, TABLE)),
     ], [4, 1], [REGS, LOADER_REGS])
@@ -472,6 +482,18 @@ def _dkdv_operands(sT, dpT, lse2, delta, qi, start_n, k_pos, p_layout: gl.conste
     return gl.convert_layout(pT.to(gl.bfloat16), p_layout), gl.convert_layout(dsT.to(gl.bfloat16), p_layout)
 
 @gluon.jit
+def _dkdv_scores(k_op, v_op, q_smem, do_smem, q_bar, do_bar, turn_bar, step, zero_s, C: gl.constexpr, STAGES: gl.constexpr):
+    "(Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, ring slot) of one step, issued in this consumer's turn as Q and dO arrive, not waited for."
+    slot = step % STAGES
+    phase = (step // STAGES) & 1
+    _take_turn(turn_bar, step, C)
+    mbarrier.wait(q_bar.index(slot), phase)
+    sT = warpgroup_mma(k_op, q_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    mbarrier.wait(do_bar.index(slot), phase)
+    dpT = warpgroup_mma(v_op, do_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    return sT, dpT, slot
+
+@gluon.jit
 def _dkdv_head(base, it, first_i, n_i, start_n, k_pos, k_op, v_op, q_smem, do_smem, q_bar, do_bar, free_bar, turn_bar,
                dk, dv, zero_s, LSE, DELTA, b, kvh, H, T, GROUP, scale_log2, row_layout: gl.constexpr,
                p_layout: gl.constexpr, C: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
@@ -490,27 +512,15 @@ def _dkdv_head(base, it, first_i, n_i, start_n, k_pos, k_op, v_op, q_smem, do_sm
         mbarrier.arrive(free_bar.index(slot), count=1)
     if skips < n_i:
         u = base + skips
-        prev = (it + u) % STAGES
-        phase = ((it + u) // STAGES) & 1
         lse2, delta = _dkdv_rows(LSE, DELTA, u, first_i, n_i, b, kvh, H, T, GROUP, row_layout, BLOCK_M)
-        _take_turn(turn_bar, it + u, C)
-        mbarrier.wait(q_bar.index(prev), phase)
-        sT = warpgroup_mma(k_op, q_smem.index(prev).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        mbarrier.wait(do_bar.index(prev), phase)
-        dpT = warpgroup_mma(v_op, do_smem.index(prev).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        sT, dpT, prev = _dkdv_scores(k_op, v_op, q_smem, do_smem, q_bar, do_bar, turn_bar, it + u, zero_s, C, STAGES)
         mbarrier.arrive(other, count=1)
         sT, dpT = warpgroup_mma_wait(num_outstanding=0, deps=[sT, dpT])
         p_op, ds_op = _dkdv_operands(sT, dpT, lse2, delta, first_i + skips, start_n, k_pos, p_layout, BLOCK_N, BLOCK_M,
                                      scale_log2)
         for u in range(base + skips + 1, base + n_i):
-            slot = (it + u) % STAGES
-            phase = ((it + u) // STAGES) & 1
             lse2, delta = _dkdv_rows(LSE, DELTA, u, first_i, n_i, b, kvh, H, T, GROUP, row_layout, BLOCK_M)
-            _take_turn(turn_bar, it + u, C)
-            mbarrier.wait(q_bar.index(slot), phase)
-            sT = warpgroup_mma(k_op, q_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            mbarrier.wait(do_bar.index(slot), phase)
-            dpT = warpgroup_mma(v_op, do_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            sT, dpT, slot = _dkdv_scores(k_op, v_op, q_smem, do_smem, q_bar, do_bar, turn_bar, it + u, zero_s, C, STAGES)
             dv = warpgroup_mma(p_op, do_smem.index(prev), dv, is_async=True)
             dk = warpgroup_mma(ds_op, q_smem.index(prev), dk, is_async=True)
             mbarrier.arrive(other, count=1)
@@ -773,7 +783,7 @@ def hopper_dq(do, q, k, v, o, lse, dq=None, delta=None, tiles=None):
     """(dq, δ = rowsum(dO ∘ O) (B,H,T) fp32) by the persistent Hopper dQ kernel; `dq` may be a view TMA can write,
     `tiles` replaces DQ_TILES[hd] (experiments)."""
     B, T, H, hd = q.shape
-    block_m, block_n, stages = tiles or DQ_TILES[hd]
+    block_m, block_n, stages, qdo_regs = tiles or DQ_TILES[hd]
     dq = torch.empty(B, T, H, hd, dtype=q.dtype, device=q.device) if dq is None else dq
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device) if delta is None else delta
     n_pairs = triton.cdiv(T, 2 * block_m)
@@ -783,7 +793,7 @@ def hopper_dq(do, q, k, v, o, lse, dq=None, delta=None, tiles=None):
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
         _descriptor(o, block_m), _descriptor(dq, block_m), lse, delta, dq, *dq.stride()[:3], H, T, H // k.shape[2], B * H,
         width, lse if table is None else table, n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_M=block_m,
-        BLOCK_N=block_n, STAGES=stages, TABLE=table is not None,
+        BLOCK_N=block_n, STAGES=stages, TABLE=table is not None, QDO_REGS=qdo_regs,
         REGS=CONSUMER_REGS, num_warps=4)
     CALLS["dq"] += 1
     return dq, delta
