@@ -41,11 +41,11 @@ FORWARD_CONFIGS = {64: [(64, 128, 3, "persistent-kt"), (64, 64, 4, "persistent-k
 DKDV_CONFIGS = {64: [(64, 64, 3, True, "persistent-tc"), (64, 64, 2, False, "persistent-tc")],
                 128: [(64, 64, 3, False, "persistent-tc"), (64, 64, 2, False, "persistent-tc"), (64, 32, 4, False, "persistent-tc"),
                       (64, 32, 3, False, "persistent-tc")]}
-# dQ (BLOCK_M rows per consumer, BLOCK_N keys per slot, STAGES, QDO_REGS, schedule): "persistent-t", ping-pong over all
-# tiles, O by TMA so that δ is formed from shared memory, dQ stored by TMA; QDO_REGS: Q and dO in registers (round 19).
-DQ_CONFIGS = {64: [(64, 64, 3, True, "persistent-t"), (64, 64, 3, False, "persistent-t"), (64, 32, 4, False, "persistent-t")],
-              128: [(64, 64, 3, False, "persistent-t"), (64, 64, 3, True, "persistent-t"), (64, 64, 2, False, "persistent-t"),
-                    (64, 32, 4, False, "persistent-t"), (64, 32, 3, False, "persistent-t")]}
+# dQ (BLOCK_M rows per consumer, BLOCK_N keys per slot, STAGES, schedule): "persistent-t", ping-pong over all
+# tiles, O by TMA so that δ is formed from shared memory, dQ stored by TMA. Q and dO as register operands (round 19,
+# commit 71c12e8) timed level with these and are not in the package.
+DQ_CONFIGS = {64: [(64, 64, 3, "persistent-t"), (64, 32, 4, "persistent-t")],
+              128: [(64, 64, 3, "persistent-t"), (64, 64, 2, "persistent-t"), (64, 32, 4, "persistent-t"), (64, 32, 3, "persistent-t")]}
 
 HEAD_DIMS = [int(h) for h in os.environ.get("WS_HEAD_DIMS", "64,128").split(",") if h]   # variants smoked, checked and timed
 # WS_SECTIONS=0,24,24b,24bt: each variant timed at each of these hopper.SECTION_BYTES, in MB (0: the tile order without
@@ -75,7 +75,7 @@ def ws_dkdv(do, q, k, v, lse, delta, variant=0):
 
 def ws_dq(do, q, k, v, o, lse, variant=0):
     "(dq (B,T,H,hd), delta (B,H,T) fp32) of the causal attention, like rtrainer's flash_backward_dq."
-    return hopper.hopper_dq(do.contiguous(), q, k, v, o, lse, tiles=DQ_CONFIGS[q.shape[-1]][variant][:4])
+    return hopper.hopper_dq(do.contiguous(), q, k, v, o, lse, tiles=DQ_CONFIGS[q.shape[-1]][variant][:3])
 
 
 def _sectioned_launch(kind, a, variant, section):
@@ -94,7 +94,7 @@ KERNELS = dict(  # kind: (configs, kernel of a schedule, constexpr names of a co
              lambda hd, bm, bn: dict(q_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd), o_desc=(bm, hd))),
     dkdv=(DKDV_CONFIGS, {"persistent-tc": hopper_dkdv_kernel}, ("BLOCK_N", "BLOCK_M", "STAGES", "PIPELINED"),
           lambda hd, bn, bm: dict(q_desc=(bm, hd), do_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd), dk_desc=(bn, hd), dv_desc=(bn, hd))),
-    dq=(DQ_CONFIGS, {"persistent-t": hopper_dq_kernel}, ("BLOCK_M", "BLOCK_N", "STAGES", "QDO_REGS"),
+    dq=(DQ_CONFIGS, {"persistent-t": hopper_dq_kernel}, ("BLOCK_M", "BLOCK_N", "STAGES"),
         lambda hd, bm, bn: dict(q_desc=(bm, hd), do_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd), o_desc=(bm, hd), dq_desc=(bm, hd))))
 
 def compile_check():

@@ -28,9 +28,7 @@ LOADER_REGS = gl.constexpr(24)     # registers per thread of the loader warp: it
 CONSUMER_REGS = 240                # each consumer warpgroup's; 24 + 240 + 240 per lane of three warpgroups fill the register file
 # (query rows per consumer, keys per ring slot, ring slots) by head dim, measured on an H200 (experiments/attention_ws.py)
 FORWARD_TILES = {64: (64, 128, 3), 128: (64, 128, 2)}
-# (query rows per consumer, keys per ring slot, ring slots, Q and dO in registers); head dim 64 without grouped heads keeps
-# the Triton dQ (GROUPED_ONLY_HEAD_DIMS)
-DQ_TILES = {64: (64, 64, 3, True), 128: (64, 64, 3, False)}
+DQ_TILES = {64: (64, 64, 3), 128: (64, 64, 3)}   # head dim 64 without grouped heads keeps the Triton dQ (GROUPED_ONLY_HEAD_DIMS)
 # (keys per consumer, query rows per ring slot, ring slots, pipelined with K and V in registers)
 DKDV_TILES = {64: (64, 64, 3, True), 128: (64, 64, 3, False)}
 
@@ -274,21 +272,19 @@ def _dq_ds(s, dp, j, n_full, lse2, delta, q_pos, scale_log2, k_cols: gl.constexp
 def _dq_consumer(q_smem, do_smem, o_smem, dq_smem, dq_desc, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar, turn_bar,
                  LSE, DELTA, DQ, stride_dqb, stride_dqt, stride_dqh, H, T, GROUP, BH, HEADS, ORDER, n_pairs, scale_log2, sm_scale,
                  C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 TABLE: gl.constexpr, QDO_REGS: gl.constexpr):
+                 TABLE: gl.constexpr):
     """Consumer C of the dQ kernel, per tile: δ = rowsum(dO ∘ O) of its rows from shared memory (stored for the dK/dV
     kernel), then per key block a turn that issues S_j = Q K_jᵀ, dP_j = dO V_jᵀ and the previous block's dQ += dS K,
-    and dS_j while the other consumer's turn runs; dQ leaves by TMA store. QDO_REGS: Q and dO are the score products'
-    register operand, so that those read only K and V from shared memory."""
+    and dS_j while the other consumer's turn runs; dQ leaves by TMA store."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)   # Q, dO when QDO_REGS
     load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     q_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     k_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    q_smem_c = q_smem.index(C)
-    do_smem_c = do_smem.index(C)
+    q_tile = q_smem.index(C)
+    do_tile = do_smem.index(C)
     other = turn_bar.index(1 - C)
     it = 0
     tc = 0
@@ -301,15 +297,9 @@ def _dq_consumer(q_smem, do_smem, o_smem, dq_smem, dq_desc, k_smem, v_smem, q_ba
         lse2 = gl.load(LSE + head + q_pos, mask=q_pos < T, other=float("inf")) * _LOG2E
         mbarrier.wait(q_bar.index(C), tc & 1)
         rows = start + gl.arange(0, BLOCK_M, gl.SliceLayout(1, load_layout))
-        delta_rows = gl.sum(o_smem.index(C).load(load_layout).to(gl.float32) * do_smem_c.load(load_layout).to(gl.float32), axis=1)
+        delta_rows = gl.sum(o_smem.index(C).load(load_layout).to(gl.float32) * do_tile.load(load_layout).to(gl.float32), axis=1)
         gl.store(DELTA + head + rows, delta_rows, mask=rows < T)
         delta = gl.convert_layout(delta_rows, q_rows)
-        if QDO_REGS:
-            q_tile = q_smem_c.load(op_layout)
-            do_tile = do_smem_c.load(op_layout)
-        else:
-            q_tile = q_smem_c
-            do_tile = do_smem_c
         n = gl.cdiv(gl.minimum(start + BLOCK_M, T), BLOCK_N)
         n_max = gl.cdiv(gl.minimum(pair_m + 2 * BLOCK_M, T), BLOCK_N)
         n_full = gl.minimum(start // BLOCK_N, n)
@@ -369,8 +359,8 @@ def _dq_consumer(q_smem, do_smem, o_smem, dq_smem, dq_desc, k_smem, v_smem, q_ba
 @gluon.jit
 def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, LSE, DELTA, DQ, stride_dqb, stride_dqt, stride_dqh,
                      H, T, GROUP, BH, HEADS, ORDER, n_pairs, scale_log2, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TABLE: gl.constexpr, QDO_REGS: gl.constexpr,
-                     REGS: gl.constexpr, num_warps: gl.constexpr):
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TABLE: gl.constexpr, REGS: gl.constexpr,
+                     num_warps: gl.constexpr):
     "dQ (and δ) of causal attention, bf16: one program per SM over (query pair, batch x head) tiles, longest first."
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
@@ -388,10 +378,10 @@ def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, LSE, DELT
     gl.warp_specialize([
         (_dq_consumer, (q_smem, do_smem, o_smem, dq0, dq_desc, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar, turn_bar,
                         LSE, DELTA, DQ, stride_dqb, stride_dqt, stride_dqh, H, T, GROUP, BH, HEADS, ORDER, n_pairs, scale_log2,
-                        sm_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, TABLE, QDO_REGS)),
+                        sm_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, TABLE)),
         (_dq_consumer, (q_smem, do_smem, o_smem, dq1, dq_desc, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, free_bar, turn_bar,
                         LSE, DELTA, DQ, stride_dqb, stride_dqt, stride_dqh, H, T, GROUP, BH, HEADS, ORDER, n_pairs, scale_log2,
-                        sm_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, TABLE, QDO_REGS)),
+                        sm_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, TABLE)),
         (_dq_loader, (q_desc, k_desc, v_desc, do_desc, o_desc, q_smem, do_smem, o_smem, k_smem, v_smem, q_bar, q_free, k_bar, v_bar,
                       free_bar, H, T, GROUP, BH, HEADS, ORDER, n_pairs, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, TABLE)),
     ], [4, 1], [REGS, LOADER_REGS])
@@ -783,7 +773,7 @@ def hopper_dq(do, q, k, v, o, lse, dq=None, delta=None, tiles=None):
     """(dq, δ = rowsum(dO ∘ O) (B,H,T) fp32) by the persistent Hopper dQ kernel; `dq` may be a view TMA can write,
     `tiles` replaces DQ_TILES[hd] (experiments)."""
     B, T, H, hd = q.shape
-    block_m, block_n, stages, qdo_regs = tiles or DQ_TILES[hd]
+    block_m, block_n, stages = tiles or DQ_TILES[hd]
     dq = torch.empty(B, T, H, hd, dtype=q.dtype, device=q.device) if dq is None else dq
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device) if delta is None else delta
     n_pairs = triton.cdiv(T, 2 * block_m)
@@ -793,7 +783,7 @@ def hopper_dq(do, q, k, v, o, lse, dq=None, delta=None, tiles=None):
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
         _descriptor(o, block_m), _descriptor(dq, block_m), lse, delta, dq, *dq.stride()[:3], H, T, H // k.shape[2], B * H,
         width, lse if table is None else table, n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_M=block_m,
-        BLOCK_N=block_n, STAGES=stages, TABLE=table is not None, QDO_REGS=qdo_regs,
+        BLOCK_N=block_n, STAGES=stages, TABLE=table is not None,
         REGS=CONSUMER_REGS, num_warps=4)
     CALLS["dq"] += 1
     return dq, delta

@@ -82,21 +82,6 @@ def test_hopper_dkdv_both_schedules(tiles, B, T, H, KV, monkeypatch):
     assert max(errors.values()) < 1e-2, errors
     assert hopper.CALLS["dkdv"] == 2, dict(hopper.CALLS)
 
-@pytest.mark.parametrize("regs", [True, False])
-@pytest.mark.parametrize("B,T,H,KV,hd", [(2, 1000, 12, 4, 64), (1, 513, 6, 6, 64), (1, 1, 4, 2, 64), (1, 777, 16, 16, 128),
-                                         (2, 257, 8, 1, 128), (1, 4099, 4, 2, 64)])
-def test_hopper_dq_both_operand_places(regs, B, T, H, KV, hd, monkeypatch):
-    """The dQ kernel with Q and dO as the score products' register operand and from shared memory, against float64,
-    grouped heads or not: T 1000 and 4099 end in ragged blocks, T 1 has one row, 513 leaves the second consumer empty."""
-    hopper = _hopper(monkeypatch)
-    from rtrainer.attention import attention_parity_errors
-    monkeypatch.setitem(hopper.DQ_TILES, hd, (*hopper.DQ_TILES[hd][:3], regs))
-    monkeypatch.setattr(hopper, "GROUPED_ONLY_HEAD_DIMS", set())
-    hopper.CALLS.clear()
-    errors = attention_parity_errors(B, T, H, KV, hd, torch.bfloat16, True, device="cuda")
-    assert max(errors.values()) < 1e-2, errors
-    assert hopper.CALLS["dq"] == 2, dict(hopper.CALLS)
-
 def _tile_start(kind, t, n_pairs, heads, width, per_batch, rows):
     "(batch, head, first row) of the tile at index t of `kind`'s order in sections of `width` heads (the kernels' _sectioned, _tile)."
     first = t // (n_pairs * width) * width
