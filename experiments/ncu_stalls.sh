@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Warp-stall breakdown and tensor-pipe activity of the kernels experiments/attention_ws_profile.py launches once each
-# (the Triton, the Hopper (rtrainer.attention_hopper) and cuDNN's dense1b forward, the Triton and the Hopper dQ and dK/dV), under Nsight Compute.
+# (the Triton, the Hopper (rtrainer.attention_hopper) and cuDNN's forward, the Triton and the Hopper dQ and dK/dV, cuDNN's
+# forward + backward; at dense1b or PROFILE_SHAPE), under Nsight Compute.
 # Asks ncu which metrics this GPU has, keeps the wanted ones it lists, writes $OUT/ncu_stalls.csv.
 set -u
 OUT=${OUT:-/tmp}; PY=${PY:-python3}
@@ -38,9 +39,9 @@ $PY - "$OUT/ncu_stalls.csv" <<'PY'
 import csv, sys, collections
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
 head, body = rows[0], rows[1:]
-k, n, v = head.index("Kernel Name"), head.index("Metric Name"), head.index("Metric Value")
+k, n, v, i = head.index("Kernel Name"), head.index("Metric Name"), head.index("Metric Value"), head.index("ID")
 table = collections.defaultdict(dict)
-for r in body: table[r[k][:40]][r[n]] = r[v]
+for r in body: table[f"{r[i]} {r[k][:30]}"][r[n]] = r[v]     # by launch: cuDNN's forward and backward kernels share a prefix
 names = sorted({m for t in table.values() for m in t})
 for m in names: print(f"{m[:70]:70} " + " ".join(f"{table[kn].get(m, '-'):>14}" for kn in table))
 print(" " * 71 + " ".join(f"{kn[:14]:>14}" for kn in table))
