@@ -38,7 +38,8 @@ FORWARD_CONFIGS = {64: [(64, 128, 3, "persistent-kt"), (64, 64, 4, "persistent-k
 # step's lse and δ loaded a step ahead and held one value per thread until used; PIPELINED: K and V in registers, each
 # block's score products issued before the last block's dV and dK products, the consumers' matmuls in turns (round 18;
 # the variants with one or two of the three are at commit 41faac6).
-DKDV_CONFIGS = {64: [(64, 64, 3, True, "persistent-tc"), (64, 64, 2, False, "persistent-tc")],
+DKDV_CONFIGS = {64: [(64, 64, 3, True, "persistent-tc"), (64, 64, 3, 2, "persistent-tc"), (64, 64, 3, 3, "persistent-tc"),
+                     (64, 64, 2, False, "persistent-tc")],
                 128: [(64, 64, 3, False, "persistent-tc"), (64, 64, 2, False, "persistent-tc"), (64, 32, 4, False, "persistent-tc"),
                       (64, 32, 3, False, "persistent-tc")]}
 # dQ (BLOCK_M rows per consumer, BLOCK_N keys per slot, STAGES, schedule): "persistent-t", ping-pong over all
@@ -93,7 +94,8 @@ KERNELS = dict(  # kind: (configs, kernel of a schedule, constexpr names of a co
     forward=(FORWARD_CONFIGS, {"persistent-kt": hopper_forward_kernel}, ("BLOCK_M", "BLOCK_N", "STAGES"),
              lambda hd, bm, bn: dict(q_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd), o_desc=(bm, hd))),
     dkdv=(DKDV_CONFIGS, {"persistent-tc": hopper_dkdv_kernel}, ("BLOCK_N", "BLOCK_M", "STAGES", "PIPELINED"),
-          lambda hd, bn, bm: dict(q_desc=(bm, hd), do_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd), dk_desc=(bn, hd), dv_desc=(bn, hd))),
+          lambda hd, bn, bm: dict(q_desc=(bm, hd), do_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd), dk_desc=(bn, hd), dv_desc=(bn, hd),
+                                  lse_desc=(bm, "fp32"), delta_desc=(bm, "fp32"))),
     dq=(DQ_CONFIGS, {"persistent-t": hopper_dq_kernel}, ("BLOCK_M", "BLOCK_N", "STAGES"),
         lambda hd, bm, bn: dict(q_desc=(bm, hd), do_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd), o_desc=(bm, hd), dq_desc=(bm, hd))))
 

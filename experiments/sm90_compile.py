@@ -29,16 +29,19 @@ def ptxas_usage(ptx):
 
 def compile_gluon_sm90(kernel, constexprs, descs, warps, types=None, hints=()):
     """A Gluon kernel compiled for sm_90 without a GPU: ((registers, spilled bytes), shared memory bytes, PTX). `descs`
-    gives the (rows, cols) block of each tensor-descriptor parameter, bf16 unless a third item names the dtype
-    ("fp32"), `types` the type of each other parameter that is not an i32 (e.g. {"LSE": "*fp32"}), `hints` the
+    gives the (rows, cols) or (values,) block of each tensor-descriptor parameter, bf16 unless a last item names the
+    dtype ("fp32"; a 1-D block is unswizzled), `types` the type of each other parameter that is not an i32 (e.g. {"LSE": "*fp32"}), `hints` the
     parameters the launcher would see divisible by 16."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
     params = list(inspect.signature(kernel.fn).parameters)
-    def desc(rows, cols, dtype="bf16"):
-        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], dict(bf16=gl.bfloat16, fp32=gl.float32)[dtype])
-        return f"tensordesc<{dtype}[{rows}, {cols}],{layout!r}>"
+    def desc(*block):                                # (rows, cols) or (values,), then the dtype if not bf16
+        dims, dtype = (block[:-1], block[-1]) if isinstance(block[-1], str) else (block, "bf16")
+        bits = dict(bf16=16, fp32=32)[dtype]
+        layout = (gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=1) if len(dims) == 1 else
+                  gl.NVMMASharedLayout.get_default_for(list(dims), dict(bf16=gl.bfloat16, fp32=gl.float32)[dtype]))
+        return f"tensordesc<{dtype}[{', '.join(map(str, dims))}],{layout!r}>"
     sig = {p: "constexpr" if p in constexprs else desc(*descs[p]) if p in descs else (types or {}).get(p, "i32")
            for p in params}
     src = GluonASTSource(kernel, sig, constexprs={(params.index(n),): v for n, v in constexprs.items()},

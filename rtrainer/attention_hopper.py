@@ -6,9 +6,10 @@ Docs: https://example.invalid/rtrainer/rtrainer/attention_hopper.html.md"""
 
 # %% auto #0
 __all__ = ['LOG2E', 'LOADER_REGS', 'CONSUMER_REGS', 'FORWARD_TILES', 'DQ_TILES', 'DKDV_TILES', 'ENABLED', 'CALLS',
-           'SECTION_BYTES', 'BALANCED_SECTIONS', 'TILE_TABLE', 'BALANCE_MARGIN', 'GROUPED_ONLY_HEAD_DIMS',
-           'hopper_forward_kernel', 'hopper_dq_kernel', 'hopper_dkdv_kernel', 'tma_refusal', 'hopper_refusal',
-           'tile_balance', 'tile_table', 'section_heads', 'hopper_forward', 'hopper_dq', 'hopper_dkdv']
+           'SECTION_BYTES', 'BALANCED_SECTIONS', 'TILE_TABLE', 'BALANCE_MARGIN', 'ROWS_LAYOUT',
+           'GROUPED_ONLY_HEAD_DIMS', 'hopper_forward_kernel', 'hopper_dq_kernel', 'hopper_dkdv_kernel', 'tma_refusal',
+           'hopper_refusal', 'tile_balance', 'tile_table', 'section_heads', 'hopper_forward', 'hopper_dq',
+           'hopper_dkdv']
 
 # %% ../nbs/02a_attention_hopper.ipynb #d91c67b1
 import collections, functools, os
@@ -388,10 +389,12 @@ def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, LSE, DELT
 
 # %% ../nbs/02a_attention_hopper.ipynb #88195bba
 @gluon.jit
-def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, q_bar, do_bar, free_bar,
-                 KV, T, GROUP, BKV, HEADS, ORDER, n_pairs, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                 STAGES: gl.constexpr, TABLE: gl.constexpr):
-    "The loader warp: each tile's two K and V blocks once both consumers are done with the last ones, then Q and dO blocks."
+def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                 kv_bar, kv_free, q_bar, do_bar, free_bar, KV, T, GROUP, BKV, HEADS, ORDER, n_pairs, HEAD_DIM: gl.constexpr,
+                 BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, TABLE: gl.constexpr,
+                 LSE_SMEM: gl.constexpr):
+    """The loader warp: each tile's two K and V blocks once both consumers are done with the last ones, then Q and dO
+    blocks, and with them (LSE_SMEM) the block's lse and δ."""
     it = 0                                            # query blocks loaded so far: ring slot and phase
     tc = 0                                            # tiles so far: the K/V buffers' phase
     for t in range(gl.program_id(0), n_pairs * BKV, gl.num_programs(0)):
@@ -411,10 +414,31 @@ def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_sme
             slot = it % STAGES
             mbarrier.wait(free_bar.index(slot), ((it // STAGES) & 1) ^ 1)
             row, col = row0 + (first_i + u % n_i) * BLOCK_M, (kvh * GROUP + u // n_i) * HEAD_DIM
-            _load(q_desc, q_smem, q_bar, slot, row, col)
-            _load(do_desc, do_smem, do_bar, slot, row, col)
+            if LSE_SMEM:
+                at = ((b * KV + kvh) * GROUP + u // n_i) * T + (first_i + u % n_i) * BLOCK_M   # in the flat (B*H*T) lse
+                _load_with_rows(q_desc, q_smem, lse_desc, lse_smem, q_bar, slot, row, col, at)
+                _load_with_rows(do_desc, do_smem, delta_desc, delta_smem, do_bar, slot, row, col, at)
+            else:
+                _load(q_desc, q_smem, q_bar, slot, row, col)
+                _load(do_desc, do_smem, do_bar, slot, row, col)
             it += 1
         tc += 1
+
+@gluon.jit
+def _load_with_rows(desc, smem, rows_desc, rows_smem, bar, slot, row, col, at):
+    "_load of a (rows, hd) block and, on the same barrier, `rows_desc`'s values from flat position `at` (its lse or δ)."
+    mbarrier.expect(bar.index(slot), desc.block_type.nbytes + rows_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [row, col], bar.index(slot), smem.index(slot))
+    tma.async_copy_global_to_shared(rows_desc, [at], bar.index(slot), rows_smem.index(slot))
+
+@gluon.jit
+def _dkdv_smem_rows(lse_smem, delta_smem, slot, qi, T, s_cols: gl.constexpr, BLOCK_M: gl.constexpr):
+    "Base-2 lse and δ of query block qi from ring slot `slot`, in the score columns' layout (lse +inf past T)."
+    lse2 = lse_smem.index(slot).load(s_cols) * _LOG2E
+    if (qi + 1) * BLOCK_M > T:                        # the last block: its rows past T hold the next head's values
+        q_pos = qi * BLOCK_M + gl.arange(0, BLOCK_M, s_cols)
+        lse2 = gl.where(q_pos < T, lse2, float("inf"))
+    return lse2, delta_smem.index(slot).load(s_cols)
 
 @gluon.jit
 def _dkdv_rows(LSE, DELTA, u, first_i, n_i, b, kvh, H, T, GROUP, layout: gl.constexpr, BLOCK_M: gl.constexpr):
@@ -484,9 +508,10 @@ def _dkdv_scores(k_op, v_op, q_smem, do_smem, q_bar, do_bar, turn_bar, step, zer
     return sT, dpT, slot
 
 @gluon.jit
-def _dkdv_head(base, it, first_i, n_i, start_n, k_pos, k_op, v_op, q_smem, do_smem, q_bar, do_bar, free_bar, turn_bar,
-               dk, dv, zero_s, LSE, DELTA, b, kvh, H, T, GROUP, scale_log2, row_layout: gl.constexpr,
-               p_layout: gl.constexpr, C: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+def _dkdv_head(base, it, first_i, n_i, start_n, k_pos, k_op, v_op, q_smem, do_smem, lse_smem, delta_smem, q_bar, do_bar,
+               free_bar, turn_bar, dk, dv, zero_s, LSE, DELTA, b, kvh, H, T, GROUP, scale_log2, row_layout: gl.constexpr,
+               p_layout: gl.constexpr, C: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+               LSE_SMEM: gl.constexpr):
     """The query blocks of one head of the group (steps base .. base + n_i - 1 of the tile), pipelined: each block's Sᵀ
     and dPᵀ (K and V from registers) are issued before the previous block's dV += Pᵀ dO and dK += dSᵀ Q, which run
     while this block's Pᵀ and dSᵀ are formed; the two consumers issue their matmuls in turns, a step each (it + u).
@@ -502,19 +527,30 @@ def _dkdv_head(base, it, first_i, n_i, start_n, k_pos, k_op, v_op, q_smem, do_sm
         mbarrier.arrive(free_bar.index(slot), count=1)
     if skips < n_i:
         u = base + skips
-        lse2, delta = _dkdv_rows(LSE, DELTA, u, first_i, n_i, b, kvh, H, T, GROUP, row_layout, BLOCK_M)
+        s_cols: gl.constexpr = gl.SliceLayout(0, zero_s.type.layout)
+        if not LSE_SMEM:
+            lse2, delta = _dkdv_rows(LSE, DELTA, u, first_i, n_i, b, kvh, H, T, GROUP, row_layout, BLOCK_M)
         sT, dpT, prev = _dkdv_scores(k_op, v_op, q_smem, do_smem, q_bar, do_bar, turn_bar, it + u, zero_s, C, STAGES)
         mbarrier.arrive(other, count=1)
+        if LSE_SMEM == 2:
+            lse2, delta = _dkdv_smem_rows(lse_smem, delta_smem, prev, first_i + skips, T, s_cols, BLOCK_M)
         sT, dpT = warpgroup_mma_wait(num_outstanding=0, deps=[sT, dpT])
+        if LSE_SMEM == 1:
+            lse2, delta = _dkdv_smem_rows(lse_smem, delta_smem, prev, first_i + skips, T, s_cols, BLOCK_M)
         p_op, ds_op = _dkdv_operands(sT, dpT, lse2, delta, first_i + skips, start_n, k_pos, p_layout, BLOCK_N, BLOCK_M,
                                      scale_log2)
         for u in range(base + skips + 1, base + n_i):
-            lse2, delta = _dkdv_rows(LSE, DELTA, u, first_i, n_i, b, kvh, H, T, GROUP, row_layout, BLOCK_M)
+            if not LSE_SMEM:
+                lse2, delta = _dkdv_rows(LSE, DELTA, u, first_i, n_i, b, kvh, H, T, GROUP, row_layout, BLOCK_M)
             sT, dpT, slot = _dkdv_scores(k_op, v_op, q_smem, do_smem, q_bar, do_bar, turn_bar, it + u, zero_s, C, STAGES)
             dv = warpgroup_mma(p_op, do_smem.index(prev), dv, is_async=True)
             dk = warpgroup_mma(ds_op, q_smem.index(prev), dk, is_async=True)
             mbarrier.arrive(other, count=1)
+            if LSE_SMEM == 2:
+                lse2, delta = _dkdv_smem_rows(lse_smem, delta_smem, slot, first_i + u - base, T, s_cols, BLOCK_M)
             sT, dpT = warpgroup_mma_wait(num_outstanding=2, deps=[sT, dpT])
+            if LSE_SMEM == 1:
+                lse2, delta = _dkdv_smem_rows(lse_smem, delta_smem, slot, first_i + u - base, T, s_cols, BLOCK_M)
             p_next, ds_next = _dkdv_operands(sT, dpT, lse2, delta, first_i + u - base, start_n, k_pos, p_layout, BLOCK_N,
                                              BLOCK_M, scale_log2)
             dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
@@ -528,7 +564,8 @@ def _dkdv_head(base, it, first_i, n_i, start_n, k_pos, k_op, v_op, q_smem, do_sm
 
 # %% ../nbs/02a_attention_hopper.ipynb #75819d87
 @gluon.jit
-def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, out_smem, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar, turn_bar,
+def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, out_smem, dk_desc, dv_desc, kv_bar, kv_free, q_bar,
+                   do_bar, free_bar, turn_bar,
                    LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, HEADS, ORDER, n_pairs, scale_log2,
                    sm_scale, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                    STAGES: gl.constexpr, TABLE: gl.constexpr, PIPELINED: gl.constexpr):
@@ -562,9 +599,9 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, out_smem, dk_desc, dv_desc, 
             k_op = k_tile.load(kv_layout)             # K and V as the score products' register operand
             v_op = v_tile.load(kv_layout)
             for g in range(GROUP):
-                dk, dv = _dkdv_head(g * n_i, it, first_i, n_i, start_n, k_pos, k_op, v_op, q_smem, do_smem, q_bar, do_bar,
-                                    free_bar, turn_bar, dk, dv, zero_s, LSE, DELTA, b, kvh, H, T, GROUP, scale_log2,
-                                    row_layout, p_layout, C, BLOCK_N, BLOCK_M, STAGES)
+                dk, dv = _dkdv_head(g * n_i, it, first_i, n_i, start_n, k_pos, k_op, v_op, q_smem, do_smem, lse_smem,
+                                    delta_smem, q_bar, do_bar, free_bar, turn_bar, dk, dv, zero_s, LSE, DELTA, b, kvh, H, T,
+                                    GROUP, scale_log2, row_layout, p_layout, C, BLOCK_N, BLOCK_M, STAGES, PIPELINED - 1)
         else:
             lse2, delta = _dkdv_rows(LSE, DELTA, 0, first_i, n_i, b, kvh, H, T, GROUP, row_layout, BLOCK_M)
             for u in range(steps):
@@ -591,7 +628,8 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, out_smem, dk_desc, dv_desc, 
     tma.store_wait(0)
 
 @gluon.jit
-def hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh,
+def hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, LSE, DELTA, DK, DV,
+                       stride_dkb, stride_dkt, stride_dkh,
                        H, KV, T, GROUP, BKV, HEADS, ORDER, n_pairs, scale_log2, sm_scale,
                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                        TABLE: gl.constexpr, PIPELINED: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
@@ -600,6 +638,8 @@ def hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, D
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES if PIPELINED >= 2 else 1, BLOCK_M], lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES if PIPELINED >= 2 else 1, BLOCK_M], delta_desc.layout)
     out0 = gl.allocate_shared_memory(dk_desc.dtype, [2, BLOCK_N, HEAD_DIM], dk_desc.layout)
     out1 = gl.allocate_shared_memory(dk_desc.dtype, [2, BLOCK_N, HEAD_DIM], dk_desc.layout)
     kv_bar = _barriers(2, 1)
@@ -609,14 +649,15 @@ def hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, D
     free_bar = _barriers(STAGES, 2)
     turn_bar = _barriers(2, 1)
     gl.warp_specialize([
-        (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, out0, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar, turn_bar,
+        (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, out0, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar, turn_bar,
                           LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, HEADS, ORDER, n_pairs,
                           scale_log2, sm_scale, 0, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, TABLE, PIPELINED)),
-        (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, out1, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar, turn_bar,
+        (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, out1, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar, turn_bar,
                           LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, HEADS, ORDER, n_pairs,
                           scale_log2, sm_scale, 1, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, TABLE, PIPELINED)),
-        (_dkdv_loader, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, q_bar, do_bar, free_bar,
-                        KV, T, GROUP, BKV, HEADS, ORDER, n_pairs, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, TABLE)),
+        (_dkdv_loader, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
+                        delta_smem, kv_bar, kv_free, q_bar, do_bar, free_bar, KV, T, GROUP, BKV, HEADS, ORDER, n_pairs, HEAD_DIM,
+                        BLOCK_N, BLOCK_M, STAGES, TABLE, PIPELINED >= 2)),
     ], [4, 1], [REGS, LOADER_REGS])
 
 # %% ../nbs/02a_attention_hopper.ipynb #0948c8bc
@@ -743,6 +784,21 @@ def _descriptor_fields(dtype, rows_total, width, row_stride, rows, hd):
     del fields["base"]
     return fields
 
+ROWS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)   # lse, δ blocks: plain fp32
+
+@functools.lru_cache(maxsize=256)
+def _rows_descriptor_fields(n, block):
+    "The fields of a 1-D TMA descriptor over n fp32 values in blocks of `block` but its base (as _descriptor_fields)."
+    fields = dict(vars(TensorDescriptor(torch.empty(0, dtype=torch.float32), [n], [1], [block], ROWS_LAYOUT)))
+    del fields["base"]
+    return fields
+
+def _rows_descriptor(t, block):
+    "1-D TMA descriptor over a contiguous, 16-byte aligned fp32 tensor (lse, δ) flattened, in blocks of `block` values."
+    d = object.__new__(TensorDescriptor)
+    d.__dict__ = dict(_rows_descriptor_fields(t.numel(), block), base=t)
+    return d
+
 def _descriptor(t, rows):
     """2-D TMA descriptor over (B*T, heads*hd) of a (B, T, heads, hd) bf16 tensor, in blocks of (rows, hd): the checked
     fields of its geometry with `t` as the base, without the checks a TensorDescriptor runs on every construction."""
@@ -801,7 +857,8 @@ def hopper_dkdv(do, q, k, v, lse, delta, dk=None, dv=None, tiles=None):
     width, table = _plan("dkdv", B, T, H, KV, hd, n_pairs, programs, q.device)
     launch(hopper_dkdv_kernel, (programs,),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
-        _descriptor(dk, block_n), _descriptor(dv, block_n), lse, delta, dk, dv, *dk.stride()[:3], H, KV, T, H // KV, B * KV,
+        _descriptor(dk, block_n), _descriptor(dv, block_n), _rows_descriptor(lse, block_m), _rows_descriptor(delta, block_m),
+        lse, delta, dk, dv, *dk.stride()[:3], H, KV, T, H // KV, B * KV,
         width, lse if table is None else table, n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_N=block_n, BLOCK_M=block_m,
         STAGES=stages, TABLE=table is not None, PIPELINED=pipelined,
         REGS=CONSUMER_REGS, num_warps=4)
@@ -829,7 +886,8 @@ def _fast_dq(do, q, k, v, o, lse, causal, dq, delta):
 
 def _fast_dkdv(do, q, k, v, lse, delta, causal, dk, dv):
     if (q.shape[-1] not in DKDV_TILES or _triton_kept(q, k) or hopper_refusal(q, k, v, causal) or tma_refusal(do)
-            or tma_refusal(dk) or tma_refusal(dv) or not lse.is_contiguous() or not delta.is_contiguous()): return None
+            or tma_refusal(dk) or tma_refusal(dv) or not lse.is_contiguous() or not delta.is_contiguous()
+            or lse.data_ptr() % 16 or delta.data_ptr() % 16): return None
     return hopper_dkdv(do, q, k, v, lse, delta, dk, dv)
 
 FAST_PATHS.update(forward=_fast_forward, dq=_fast_dq, dkdv=_fast_dkdv)
