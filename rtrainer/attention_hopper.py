@@ -30,8 +30,10 @@ CONSUMER_REGS = 240                # each consumer warpgroup's; 24 + 240 + 240 p
 # (query rows per consumer, keys per ring slot, ring slots) by head dim, measured on an H200 (experiments/attention_ws.py)
 FORWARD_TILES = {64: (64, 128, 3), 128: (64, 128, 2)}
 DQ_TILES = {64: (64, 64, 3), 128: (64, 64, 3)}   # head dim 64 without grouped heads keeps the Triton dQ (GROUPED_ONLY_HEAD_DIMS)
-# (keys per consumer, query rows per ring slot, ring slots, pipelined with K and V in registers)
-DKDV_TILES = {64: (64, 64, 3, True), 128: (64, 64, 3, False)}
+# (keys per consumer, query rows per ring slot, ring slots, PIPELINED): 0 step by step; pipelined with K and V in
+# registers, lse and δ loaded by the consumers (1) or brought by the loader into shared memory and read after (2) or
+# before (3) the wait for the score products
+DKDV_TILES = {64: (64, 64, 3, 2), 128: (64, 64, 3, 0)}
 
 @gluon.jit
 def _barriers(n: gl.constexpr, count: gl.constexpr):

@@ -67,10 +67,11 @@ def test_hopper_kernels_in_a_table_order(B, T, H, KV, hd, monkeypatch):
     assert all(hopper.CALLS[kind] >= 2 for kind in ("forward", "dq", "dkdv")), dict(hopper.CALLS)
     assert sorted(set(plans)) == ["dkdv", "dq", "forward"], plans
 
-@pytest.mark.parametrize("tiles", [(64, 64, 3, True), (64, 64, 2, False)])
+@pytest.mark.parametrize("tiles", [(64, 64, 3, 2), (64, 64, 3, 3), (64, 64, 3, True), (64, 64, 2, False)])
 @pytest.mark.parametrize("B,T,H,KV", [(2, 1000, 12, 4), (1, 900, 4, 2), (1, 1, 4, 2), (2, 513, 6, 6)])
 def test_hopper_dkdv_both_schedules(tiles, B, T, H, KV, monkeypatch):
-    """The dK/dV kernel pipelined (the package's at head dim 64) and step by step, at head dim 64 against float64,
+    """The dK/dV kernel pipelined (lse and δ brought by the loader, read before or after the score products' wait, or
+    loaded by the consumers) and step by step, at head dim 64 against float64,
     grouped heads or not: T 900 leaves the second consumer's keys of the last pair past T, T 1 all of them; 1000 and
     513 end in ragged blocks."""
     hopper = _hopper(monkeypatch)
