@@ -852,6 +852,7 @@ def hopper_dkdv(do, q, k, v, lse, delta, dk=None, dv=None, tiles=None):
     B, T, H, hd = q.shape
     KV = k.shape[2]
     block_n, block_m, stages, pipelined = tiles or DKDV_TILES[hd]
+    if pipelined >= 2 and T % 4: pipelined = 1    # TMA copies lse and δ from 16-byte aligned starts only: (head * T) % 4 == 0
     dk = torch.empty(B, T, KV, hd, dtype=q.dtype, device=q.device) if dk is None else dk
     dv = torch.empty_like(dk) if dv is None else dv
     n_pairs = triton.cdiv(T, 2 * block_n)

@@ -68,12 +68,13 @@ def test_hopper_kernels_in_a_table_order(B, T, H, KV, hd, monkeypatch):
     assert sorted(set(plans)) == ["dkdv", "dq", "forward"], plans
 
 @pytest.mark.parametrize("tiles", [(64, 64, 3, 2), (64, 64, 3, 3), (64, 64, 3, True), (64, 64, 2, False)])
-@pytest.mark.parametrize("B,T,H,KV", [(2, 1000, 12, 4), (1, 900, 4, 2), (1, 1, 4, 2), (2, 513, 6, 6)])
+@pytest.mark.parametrize("B,T,H,KV", [(2, 1000, 12, 4), (1, 900, 4, 2), (1, 1, 4, 2), (2, 513, 6, 6), (1, 4, 4, 2), (3, 68, 2, 1)])
 def test_hopper_dkdv_both_schedules(tiles, B, T, H, KV, monkeypatch):
     """The dK/dV kernel pipelined (lse and δ brought by the loader, read before or after the score products' wait, or
     loaded by the consumers) and step by step, at head dim 64 against float64,
     grouped heads or not: T 900 leaves the second consumer's keys of the last pair past T, T 1 all of them; 1000 and
-    513 end in ragged blocks."""
+    513 end in ragged blocks; at T 4 and 68 the loader's lse block runs past the tensor's end (T 513 and 1 take the
+    consumers' loads: their heads' lse do not start 16-byte aligned)."""
     hopper = _hopper(monkeypatch)
     from rtrainer.attention import attention_parity_errors
     monkeypatch.setitem(hopper.DKDV_TILES, 64, tiles)
