@@ -871,7 +871,7 @@ def hopper_dkdv(do, q, k, v, lse, delta, dk=None, dv=None, tiles=None):
 # %% ../nbs/02a_attention_hopper.ipynb #c4858959
 # attention.py's launchers have checked the outputs' shapes, dtypes and unit last strides; what is left is what the
 # kernels need beyond that: O, dQ, dK and dV written through TMA descriptors, dO and O read through them, lse and δ
-# contiguous (and 16-byte aligned for dK/dV, whose loader copies them by TMA).
+# contiguous.
 def _fast_forward(q, k, v, causal, o, lse):
     if hopper_refusal(q, k, v, causal) or tma_refusal(o) or not lse.is_contiguous(): return None
     return hopper_forward(q, k, v, o, lse)
