@@ -34,14 +34,17 @@ CONSUMER_WARPS = 4
 # 128 trailed cuDNN by 13% with the H200's tiles, and for long sequences (shared memory: at most 227 KB a program).
 FORWARD_CONFIGS = {64: [(64, 128, 3, "persistent-kt"), (64, 64, 4, "persistent-kt")],
                    128: [(64, 128, 2, "persistent-kt"), (64, 64, 3, "persistent-kt"), (64, 64, 2, "persistent-kt")]}
-# dK/dV (BLOCK_N keys per consumer, BLOCK_M queries per slot, STAGES, PIPELINED, schedule): "persistent-tc", each
-# step's lse and δ loaded a step ahead and held one value per thread until used; PIPELINED: K and V in registers, each
-# block's score products issued before the last block's dV and dK products, the consumers' matmuls in turns (round 18;
-# the variants with one or two of the three are at commit 41faac6).
-DKDV_CONFIGS = {64: [(64, 64, 3, True, "persistent-tc"), (64, 64, 3, 2, "persistent-tc"), (64, 64, 3, 3, "persistent-tc"),
-                     (64, 64, 2, False, "persistent-tc")],
-                128: [(64, 64, 3, False, "persistent-tc"), (64, 64, 2, False, "persistent-tc"), (64, 32, 4, False, "persistent-tc"),
-                      (64, 32, 3, False, "persistent-tc")]}
+# dK/dV (BLOCK_N keys per consumer, BLOCK_M queries per slot, STAGES, PIPELINED, LOADER_ROWS, schedule):
+# "persistent-tc", each step's lse and δ loaded a step ahead and held one value per thread until used, or with
+# LOADER_ROWS brought by the loader into shared memory with Q and dO and read where used (round 21; read before the
+# score products' wait and loaded straight in the score columns' layout, rounds 20 and 21, are at commits 53f5ea7 and
+# a7e7aca); PIPELINED: K and V in registers, each block's score products issued before the last block's dV and dK
+# products, the consumers' matmuls in turns (round 18; the variants with one or two of the three are at commit 41faac6).
+DKDV_CONFIGS = {64: [(64, 64, 3, True, True, "persistent-tc"), (64, 64, 3, True, False, "persistent-tc"),
+                     (64, 64, 2, False, False, "persistent-tc")],
+                128: [(64, 64, 3, False, False, "persistent-tc"), (64, 64, 3, False, True, "persistent-tc"),
+                      (64, 64, 2, False, False, "persistent-tc"), (64, 32, 4, False, False, "persistent-tc"),
+                      (64, 32, 3, False, False, "persistent-tc")]}
 # dQ (BLOCK_M rows per consumer, BLOCK_N keys per slot, STAGES, schedule): "persistent-t", ping-pong over all
 # tiles, O by TMA so that δ is formed from shared memory, dQ stored by TMA. Q and dO as register operands (round 19,
 # commit 71c12e8) timed level with these and are not in the package.
@@ -72,7 +75,7 @@ def ws_forward(q, k, v, variant=0):
 
 def ws_dkdv(do, q, k, v, lse, delta, variant=0):
     "dK, dV (B,T,KV,hd) of the causal attention, from the forward's lse and delta = rowsum(dO * O) (fp32, (B,H,T))."
-    return hopper.hopper_dkdv(do.contiguous(), q, k, v, lse, delta, tiles=DKDV_CONFIGS[q.shape[-1]][variant][:4])
+    return hopper.hopper_dkdv(do.contiguous(), q, k, v, lse, delta, tiles=DKDV_CONFIGS[q.shape[-1]][variant][:5])
 
 def ws_dq(do, q, k, v, o, lse, variant=0):
     "(dq (B,T,H,hd), delta (B,H,T) fp32) of the causal attention, like rtrainer's flash_backward_dq."
@@ -93,7 +96,7 @@ def _maxnreg(ptx):
 KERNELS = dict(  # kind: (configs, kernel of a schedule, constexpr names of a config, descriptor blocks of a config)
     forward=(FORWARD_CONFIGS, {"persistent-kt": hopper_forward_kernel}, ("BLOCK_M", "BLOCK_N", "STAGES"),
              lambda hd, bm, bn: dict(q_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd), o_desc=(bm, hd))),
-    dkdv=(DKDV_CONFIGS, {"persistent-tc": hopper_dkdv_kernel}, ("BLOCK_N", "BLOCK_M", "STAGES", "PIPELINED"),
+    dkdv=(DKDV_CONFIGS, {"persistent-tc": hopper_dkdv_kernel}, ("BLOCK_N", "BLOCK_M", "STAGES", "PIPELINED", "LOADER_ROWS"),
           lambda hd, bn, bm: dict(q_desc=(bm, hd), do_desc=(bm, hd), k_desc=(bn, hd), v_desc=(bn, hd), dk_desc=(bn, hd), dv_desc=(bn, hd),
                                   lse_desc=(bm, "fp32"), delta_desc=(bm, "fp32"))),
     dq=(DQ_CONFIGS, {"persistent-t": hopper_dq_kernel}, ("BLOCK_M", "BLOCK_N", "STAGES"),

@@ -30,10 +30,9 @@ CONSUMER_REGS = 240                # each consumer warpgroup's; 24 + 240 + 240 p
 # (query rows per consumer, keys per ring slot, ring slots) by head dim, measured on an H200 (experiments/attention_ws.py)
 FORWARD_TILES = {64: (64, 128, 3), 128: (64, 128, 2)}
 DQ_TILES = {64: (64, 64, 3), 128: (64, 64, 3)}   # head dim 64 without grouped heads keeps the Triton dQ (GROUPED_ONLY_HEAD_DIMS)
-# (keys per consumer, query rows per ring slot, ring slots, PIPELINED): 0 step by step; pipelined with K and V in
-# registers, lse and δ loaded by the consumers (1) or brought by the loader into shared memory and read after (2) or
-# before (3) the wait for the score products
-DKDV_TILES = {64: (64, 64, 3, 2), 128: (64, 64, 3, 0)}
+# (keys per consumer, query rows per ring slot, ring slots, pipelined with K and V in registers, lse and δ brought by
+# the loader into shared memory: where T % 4 ≠ 0 the consumers load them, a TMA copy starting 16-byte aligned)
+DKDV_TILES = {64: (64, 64, 3, True, True), 128: (64, 64, 3, False, False)}
 
 @gluon.jit
 def _barriers(n: gl.constexpr, count: gl.constexpr):
@@ -394,9 +393,9 @@ def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, LSE, DELT
 def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
                  kv_bar, kv_free, q_bar, do_bar, free_bar, KV, T, GROUP, BKV, HEADS, ORDER, n_pairs, HEAD_DIM: gl.constexpr,
                  BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, TABLE: gl.constexpr,
-                 LSE_SMEM: gl.constexpr):
+                 LOADER_ROWS: gl.constexpr):
     """The loader warp: each tile's two K and V blocks once both consumers are done with the last ones, then Q and dO
-    blocks, and with them (LSE_SMEM) the block's lse and δ."""
+    blocks, and with them (LOADER_ROWS) the block's lse and δ."""
     it = 0                                            # query blocks loaded so far: ring slot and phase
     tc = 0                                            # tiles so far: the K/V buffers' phase
     for t in range(gl.program_id(0), n_pairs * BKV, gl.num_programs(0)):
@@ -416,7 +415,7 @@ def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, 
             slot = it % STAGES
             mbarrier.wait(free_bar.index(slot), ((it // STAGES) & 1) ^ 1)
             row, col = row0 + (first_i + u % n_i) * BLOCK_M, (kvh * GROUP + u // n_i) * HEAD_DIM
-            if LSE_SMEM:
+            if LOADER_ROWS:
                 at = ((b * KV + kvh) * GROUP + u // n_i) * T + (first_i + u % n_i) * BLOCK_M   # in the flat (B*H*T) lse
                 _load_with_rows(q_desc, q_smem, lse_desc, lse_smem, q_bar, slot, row, col, at)
                 _load_with_rows(do_desc, do_smem, delta_desc, delta_smem, do_bar, slot, row, col, at)
@@ -453,12 +452,13 @@ def _dkdv_rows(LSE, DELTA, u, first_i, n_i, b, kvh, H, T, GROUP, layout: gl.cons
     return lse2, delta
 
 @gluon.jit
-def _dkdv_step(u, it, first_i, n_i, start_n, k_pos, k_tile, v_tile, q_smem, do_smem, q_bar, do_bar, free_bar, dk, dv,
-               lse2, delta, zero_s, LSE, DELTA, b, kvh, H, T, GROUP, scale_log2, row_layout: gl.constexpr,
-               p_layout: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+def _dkdv_step(u, it, first_i, n_i, start_n, k_pos, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, q_bar, do_bar,
+               free_bar, dk, dv, lse2, delta, zero_s, LSE, DELTA, b, kvh, H, T, GROUP, scale_log2, row_layout: gl.constexpr,
+               p_layout: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+               LOADER_ROWS: gl.constexpr):
     """Step u of a consumer: Sᵀ and dPᵀ of its keys against the query block, then dV += Pᵀ dO and dK += dSᵀ Q, or
-    nothing where every query precedes its keys. lse and δ of this step arrive in registers; the next step's are
-    loaded while this step's score products run, and returned. Frees the ring slot."""
+    nothing where every query precedes its keys. lse and δ come from the loader's ring (LOADER_ROWS), or arrive in
+    registers, the next step's loaded while this step's score products run and returned. Frees the ring slot."""
     slot = (it + u) % STAGES
     phase = ((it + u) // STAGES) & 1
     qi = first_i + u % n_i
@@ -468,8 +468,13 @@ def _dkdv_step(u, it, first_i, n_i, start_n, k_pos, k_tile, v_tile, q_smem, do_s
         sT = warpgroup_mma(k_tile, q_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         mbarrier.wait(do_bar.index(slot), phase)
         dpT = warpgroup_mma(v_tile, do_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        next_lse2, next_delta = _dkdv_rows(LSE, DELTA, u + 1, first_i, n_i, b, kvh, H, T, GROUP, row_layout, BLOCK_M)
-        sT = warpgroup_mma_wait(num_outstanding=1, deps=[sT])
+        if LOADER_ROWS:
+            next_lse2, next_delta = lse2, delta       # unused: each step reads its own from the ring
+            sT = warpgroup_mma_wait(num_outstanding=1, deps=[sT])
+            lse2, delta = _dkdv_smem_rows(lse_smem, delta_smem, slot, qi, T, s_cols, BLOCK_M)
+        else:
+            next_lse2, next_delta = _dkdv_rows(LSE, DELTA, u + 1, first_i, n_i, b, kvh, H, T, GROUP, row_layout, BLOCK_M)
+            sT = warpgroup_mma_wait(num_outstanding=1, deps=[sT])
         pT = gl.exp2(sT * scale_log2 - gl.expand_dims(gl.convert_layout(lse2, s_cols), 0))
         if qi * BLOCK_M < start_n + BLOCK_N:          # the block reaches the diagonal
             q_pos = qi * BLOCK_M + gl.arange(0, BLOCK_M, s_cols)
@@ -481,7 +486,10 @@ def _dkdv_step(u, it, first_i, n_i, start_n, k_pos, k_tile, v_tile, q_smem, do_s
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
     else:
         mbarrier.wait(do_bar.index(slot), phase)
-        next_lse2, next_delta = _dkdv_rows(LSE, DELTA, u + 1, first_i, n_i, b, kvh, H, T, GROUP, row_layout, BLOCK_M)
+        if LOADER_ROWS:
+            next_lse2, next_delta = lse2, delta
+        else:
+            next_lse2, next_delta = _dkdv_rows(LSE, DELTA, u + 1, first_i, n_i, b, kvh, H, T, GROUP, row_layout, BLOCK_M)
     mbarrier.arrive(free_bar.index(slot), count=1)
     return dk, dv, next_lse2, next_delta
 
@@ -513,7 +521,7 @@ def _dkdv_scores(k_op, v_op, q_smem, do_smem, q_bar, do_bar, turn_bar, step, zer
 def _dkdv_head(base, it, first_i, n_i, start_n, k_pos, k_op, v_op, q_smem, do_smem, lse_smem, delta_smem, q_bar, do_bar,
                free_bar, turn_bar, dk, dv, zero_s, LSE, DELTA, b, kvh, H, T, GROUP, scale_log2, row_layout: gl.constexpr,
                p_layout: gl.constexpr, C: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-               LSE_SMEM: gl.constexpr):
+               LOADER_ROWS: gl.constexpr):
     """The query blocks of one head of the group (steps base .. base + n_i - 1 of the tile), pipelined: each block's Sᵀ
     and dPᵀ (K and V from registers) are issued before the previous block's dV += Pᵀ dO and dK += dSᵀ Q, which run
     while this block's Pᵀ and dSᵀ are formed; the two consumers issue their matmuls in turns, a step each (it + u).
@@ -530,28 +538,24 @@ def _dkdv_head(base, it, first_i, n_i, start_n, k_pos, k_op, v_op, q_smem, do_sm
     if skips < n_i:
         u = base + skips
         s_cols: gl.constexpr = gl.SliceLayout(0, zero_s.type.layout)
-        if not LSE_SMEM:
+        if not LOADER_ROWS:
             lse2, delta = _dkdv_rows(LSE, DELTA, u, first_i, n_i, b, kvh, H, T, GROUP, row_layout, BLOCK_M)
         sT, dpT, prev = _dkdv_scores(k_op, v_op, q_smem, do_smem, q_bar, do_bar, turn_bar, it + u, zero_s, C, STAGES)
         mbarrier.arrive(other, count=1)
-        if LSE_SMEM == 2:
-            lse2, delta = _dkdv_smem_rows(lse_smem, delta_smem, prev, first_i + skips, T, s_cols, BLOCK_M)
         sT, dpT = warpgroup_mma_wait(num_outstanding=0, deps=[sT, dpT])
-        if LSE_SMEM == 1:
+        if LOADER_ROWS:
             lse2, delta = _dkdv_smem_rows(lse_smem, delta_smem, prev, first_i + skips, T, s_cols, BLOCK_M)
         p_op, ds_op = _dkdv_operands(sT, dpT, lse2, delta, first_i + skips, start_n, k_pos, p_layout, BLOCK_N, BLOCK_M,
                                      scale_log2)
         for u in range(base + skips + 1, base + n_i):
-            if not LSE_SMEM:
+            if not LOADER_ROWS:
                 lse2, delta = _dkdv_rows(LSE, DELTA, u, first_i, n_i, b, kvh, H, T, GROUP, row_layout, BLOCK_M)
             sT, dpT, slot = _dkdv_scores(k_op, v_op, q_smem, do_smem, q_bar, do_bar, turn_bar, it + u, zero_s, C, STAGES)
             dv = warpgroup_mma(p_op, do_smem.index(prev), dv, is_async=True)
             dk = warpgroup_mma(ds_op, q_smem.index(prev), dk, is_async=True)
             mbarrier.arrive(other, count=1)
-            if LSE_SMEM == 2:
-                lse2, delta = _dkdv_smem_rows(lse_smem, delta_smem, slot, first_i + u - base, T, s_cols, BLOCK_M)
             sT, dpT = warpgroup_mma_wait(num_outstanding=2, deps=[sT, dpT])
-            if LSE_SMEM == 1:
+            if LOADER_ROWS:
                 lse2, delta = _dkdv_smem_rows(lse_smem, delta_smem, slot, first_i + u - base, T, s_cols, BLOCK_M)
             p_next, ds_next = _dkdv_operands(sT, dpT, lse2, delta, first_i + u - base, start_n, k_pos, p_layout, BLOCK_N,
                                              BLOCK_M, scale_log2)
@@ -570,9 +574,9 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, out_sm
                    do_bar, free_bar, turn_bar,
                    LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, HEADS, ORDER, n_pairs, scale_log2,
                    sm_scale, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                   STAGES: gl.constexpr, TABLE: gl.constexpr, PIPELINED: gl.constexpr):
-    """Consumer C: keys C*BLOCK_N .. of every tile's pair, step by step or PIPELINED (K and V in registers, `_dkdv_head`);
-    dK and dV leave by TMA store (masked stores on a ragged last block)."""
+                   STAGES: gl.constexpr, TABLE: gl.constexpr, PIPELINED: gl.constexpr, LOADER_ROWS: gl.constexpr):
+    """Consumer C: keys C*BLOCK_N .. of every tile's pair, step by step or PIPELINED (K and V in registers, `_dkdv_head`),
+    lse and δ from the loader's ring if LOADER_ROWS; dK and dV leave by TMA store (masked stores on a ragged last block)."""
     NW: gl.constexpr = 4
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
@@ -603,13 +607,18 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, out_sm
             for g in range(GROUP):
                 dk, dv = _dkdv_head(g * n_i, it, first_i, n_i, start_n, k_pos, k_op, v_op, q_smem, do_smem, lse_smem,
                                     delta_smem, q_bar, do_bar, free_bar, turn_bar, dk, dv, zero_s, LSE, DELTA, b, kvh, H, T,
-                                    GROUP, scale_log2, row_layout, p_layout, C, BLOCK_N, BLOCK_M, STAGES, PIPELINED - 1)
+                                    GROUP, scale_log2, row_layout, p_layout, C, BLOCK_N, BLOCK_M, STAGES, LOADER_ROWS)
         else:
-            lse2, delta = _dkdv_rows(LSE, DELTA, 0, first_i, n_i, b, kvh, H, T, GROUP, row_layout, BLOCK_M)
+            if LOADER_ROWS:                           # placeholders: each step reads its own from the ring
+                lse2 = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(0, s_layout))
+                delta = lse2
+            else:
+                lse2, delta = _dkdv_rows(LSE, DELTA, 0, first_i, n_i, b, kvh, H, T, GROUP, row_layout, BLOCK_M)
             for u in range(steps):
                 dk, dv, lse2, delta = _dkdv_step(u, it, first_i, n_i, start_n, k_pos, k_tile, v_tile, q_smem, do_smem,
-                                                 q_bar, do_bar, free_bar, dk, dv, lse2, delta, zero_s, LSE, DELTA, b, kvh,
-                                                 H, T, GROUP, scale_log2, row_layout, p_layout, BLOCK_N, BLOCK_M, STAGES)
+                                                 lse_smem, delta_smem, q_bar, do_bar, free_bar, dk, dv, lse2, delta, zero_s,
+                                                 LSE, DELTA, b, kvh, H, T, GROUP, scale_log2, row_layout, p_layout, BLOCK_N,
+                                                 BLOCK_M, STAGES, LOADER_ROWS)
         mbarrier.arrive(kv_free.index(C), count=1)    # this tile's K and V are no longer read
         if start_n + BLOCK_N <= T:
             tma.store_wait(0)                         # the last tile's stores have left out_smem
@@ -634,14 +643,15 @@ def hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
                        stride_dkb, stride_dkt, stride_dkh,
                        H, KV, T, GROUP, BKV, HEADS, ORDER, n_pairs, scale_log2, sm_scale,
                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                       TABLE: gl.constexpr, PIPELINED: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
+                       TABLE: gl.constexpr, PIPELINED: gl.constexpr, LOADER_ROWS: gl.constexpr, REGS: gl.constexpr,
+                       num_warps: gl.constexpr):
     "Persistent dK/dV: one program per SM over (key pair, batch x KV head) tiles, the pairs with most query blocks first."
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES if PIPELINED >= 2 else 1, BLOCK_M], lse_desc.layout)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES if PIPELINED >= 2 else 1, BLOCK_M], delta_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES if LOADER_ROWS else 1, BLOCK_M], lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES if LOADER_ROWS else 1, BLOCK_M], delta_desc.layout)
     out0 = gl.allocate_shared_memory(dk_desc.dtype, [2, BLOCK_N, HEAD_DIM], dk_desc.layout)
     out1 = gl.allocate_shared_memory(dk_desc.dtype, [2, BLOCK_N, HEAD_DIM], dk_desc.layout)
     kv_bar = _barriers(2, 1)
@@ -653,13 +663,13 @@ def hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
     gl.warp_specialize([
         (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, out0, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar, turn_bar,
                           LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, HEADS, ORDER, n_pairs,
-                          scale_log2, sm_scale, 0, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, TABLE, PIPELINED)),
+                          scale_log2, sm_scale, 0, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, TABLE, PIPELINED, LOADER_ROWS)),
         (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, out1, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar, turn_bar,
                           LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, HEADS, ORDER, n_pairs,
-                          scale_log2, sm_scale, 1, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, TABLE, PIPELINED)),
+                          scale_log2, sm_scale, 1, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, TABLE, PIPELINED, LOADER_ROWS)),
         (_dkdv_loader, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
                         delta_smem, kv_bar, kv_free, q_bar, do_bar, free_bar, KV, T, GROUP, BKV, HEADS, ORDER, n_pairs, HEAD_DIM,
-                        BLOCK_N, BLOCK_M, STAGES, TABLE, PIPELINED >= 2)),
+                        BLOCK_N, BLOCK_M, STAGES, TABLE, LOADER_ROWS)),
     ], [4, 1], [REGS, LOADER_REGS])
 
 # %% ../nbs/02a_attention_hopper.ipynb #0948c8bc
@@ -851,8 +861,8 @@ def hopper_dkdv(do, q, k, v, lse, delta, dk=None, dv=None, tiles=None):
     `tiles` replaces DKDV_TILES[hd] (experiments)."""
     B, T, H, hd = q.shape
     KV = k.shape[2]
-    block_n, block_m, stages, pipelined = tiles or DKDV_TILES[hd]
-    if pipelined >= 2 and T % 4: pipelined = 1    # TMA copies lse and δ from 16-byte aligned starts only: (head * T) % 4 == 0
+    block_n, block_m, stages, pipelined, loader_rows = tiles or DKDV_TILES[hd]
+    loader_rows = loader_rows and T % 4 == 0      # TMA copies lse and δ from 16-byte aligned starts only: (head * T) % 4 == 0
     dk = torch.empty(B, T, KV, hd, dtype=q.dtype, device=q.device) if dk is None else dk
     dv = torch.empty_like(dk) if dv is None else dv
     n_pairs = triton.cdiv(T, 2 * block_n)
@@ -863,7 +873,7 @@ def hopper_dkdv(do, q, k, v, lse, delta, dk=None, dv=None, tiles=None):
         _descriptor(dk, block_n), _descriptor(dv, block_n), _rows_descriptor(lse, block_m), _rows_descriptor(delta, block_m),
         lse, delta, dk, dv, *dk.stride()[:3], H, KV, T, H // KV, B * KV,
         width, lse if table is None else table, n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_N=block_n, BLOCK_M=block_m,
-        STAGES=stages, TABLE=table is not None, PIPELINED=pipelined,
+        STAGES=stages, TABLE=table is not None, PIPELINED=pipelined, LOADER_ROWS=loader_rows,
         REGS=CONSUMER_REGS, num_warps=4)
     CALLS["dkdv"] += 1
     return dk, dv

@@ -67,20 +67,22 @@ def test_hopper_kernels_in_a_table_order(B, T, H, KV, hd, monkeypatch):
     assert all(hopper.CALLS[kind] >= 2 for kind in ("forward", "dq", "dkdv")), dict(hopper.CALLS)
     assert sorted(set(plans)) == ["dkdv", "dq", "forward"], plans
 
-@pytest.mark.parametrize("tiles", [(64, 64, 3, 2), (64, 64, 3, 3), (64, 64, 3, True), (64, 64, 2, False)])
+@pytest.mark.parametrize("hd,tiles", [(64, (64, 64, 3, True, True)), (64, (64, 64, 3, True, False)),
+                                      (64, (64, 64, 3, False, True)), (64, (64, 64, 2, False, False)),
+                                      (128, (64, 64, 3, False, True))])
 @pytest.mark.parametrize("B,T,H,KV", [(2, 1000, 12, 4), (1, 900, 4, 2), (1, 1, 4, 2), (2, 513, 6, 6), (1, 4, 4, 2), (3, 68, 2, 1)])
-def test_hopper_dkdv_both_schedules(tiles, B, T, H, KV, monkeypatch):
-    """The dK/dV kernel pipelined (lse and δ brought by the loader, read before or after the score products' wait, or
-    loaded by the consumers) and step by step, at head dim 64 against float64,
+def test_hopper_dkdv_both_schedules(hd, tiles, B, T, H, KV, monkeypatch):
+    """The dK/dV kernel pipelined and step by step, lse and δ brought by the loader or loaded by the consumers, at head
+    dim 64 (and the step kernel with the loader's lse and δ at 128) against float64,
     grouped heads or not: T 900 leaves the second consumer's keys of the last pair past T, T 1 all of them; 1000 and
     513 end in ragged blocks; at T 4 and 68 the loader's lse block runs past the tensor's end (T 513 and 1 take the
     consumers' loads: their heads' lse do not start 16-byte aligned)."""
     hopper = _hopper(monkeypatch)
     from rtrainer.attention import attention_parity_errors
-    monkeypatch.setitem(hopper.DKDV_TILES, 64, tiles)
+    monkeypatch.setitem(hopper.DKDV_TILES, hd, tiles)
     monkeypatch.setattr(hopper, "GROUPED_ONLY_HEAD_DIMS", set())
     hopper.CALLS.clear()
-    errors = attention_parity_errors(B, T, H, KV, 64, torch.bfloat16, True, device="cuda")
+    errors = attention_parity_errors(B, T, H, KV, hd, torch.bfloat16, True, device="cuda")
     assert max(errors.values()) < 1e-2, errors
     assert hopper.CALLS["dkdv"] == 2, dict(hopper.CALLS)
 
