@@ -29,8 +29,8 @@ from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, fenc
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tma_reduce import async_reduce_add
-from rtrainer.attention_hopper import (_barriers, _take_turn, _sectioned, _ordered, _dkdv_loader, _dkdv_rows, _descriptor, _plan,
-                                       _sm_count, LOADER_REGS, CONSUMER_REGS, LOG2E)
+from rtrainer.attention_hopper import (_barriers, _take_turn, _sectioned, _ordered, _dkdv_loader, _dkdv_rows, _dkdv_store,
+                                       _descriptor, _plan, _sm_count, LOADER_REGS, CONSUMER_REGS, LOG2E)
 from rtrainer.kernels import launch
 
 ROUNDS = int(os.environ.get("ROUNDS", 5))
@@ -137,7 +137,7 @@ def _fused_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, out_smem,
                     BKV, HEADS, ORDER, n_pairs, scale_log2, sm_scale, C: gl.constexpr, HEAD_DIM: gl.constexpr,
                     BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, TABLE: gl.constexpr,
                     EARLY_TURN: gl.constexpr):
-    "attention_hopper._dkdv_consumer, pipelined, with `_fused_head`: dK and dV leave as there, dQ by reduce-add."
+    "attention_hopper._dkdv_consumer, pipelined, with `_fused_head`: dK and dV leave by its `_dkdv_store`, dQ by reduce-add."
     NW: gl.constexpr = 4
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
@@ -170,20 +170,8 @@ def _fused_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, out_smem,
                                  b, kvh, H, T, GROUP, scale_log2, row_layout, p_layout, C, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES,
                                  EARLY_TURN)
         mbarrier.arrive(kv_free.index(C), count=1)    # the dQ products that read K have completed
-        if start_n + BLOCK_N <= T:
-            tma.store_wait(0)
-            out_smem.index(0).store((dk * sm_scale).to(gl.bfloat16))
-            out_smem.index(1).store(dv.to(gl.bfloat16))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(dk_desc, [b * T + start_n, kvh * HEAD_DIM], out_smem.index(0))
-            tma.async_copy_shared_to_global(dv_desc, [b * T + start_n, kvh * HEAD_DIM], out_smem.index(1))
-        else:
-            rows = start_n + gl.arange(0, BLOCK_N, gl.SliceLayout(1, a_layout))
-            cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, a_layout))
-            out = (b.to(gl.int64) * stride_dkb + kvh.to(gl.int64) * stride_dkh + gl.expand_dims(rows, 1) * stride_dkt
-                   + gl.expand_dims(cols, 0))
-            gl.store(DK + out, (dk * sm_scale).to(gl.bfloat16), mask=gl.expand_dims(rows, 1) < T)
-            gl.store(DV + out, dv.to(gl.bfloat16), mask=gl.expand_dims(rows, 1) < T)
+        _dkdv_store(dk, dv, out_smem, dk_desc, dv_desc, DK, DV, stride_dkb, stride_dkt, stride_dkh, b, kvh, start_n, T,
+                    sm_scale, a_layout, HEAD_DIM, BLOCK_N)
         it += GROUP * n_i
         tc += 1
     tma.store_wait(0)

@@ -570,6 +570,25 @@ def _dkdv_head(base, it, first_i, n_i, start_n, k_pos, k_op, v_op, q_smem, do_sm
 
 # %% ../nbs/02a_attention_hopper.ipynb #75819d87
 @gluon.jit
+def _dkdv_store(dk, dv, out_smem, dk_desc, dv_desc, DK, DV, stride_dkb, stride_dkt, stride_dkh, b, kvh, start_n, T, sm_scale,
+                a_layout: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
+    "A consumer's dK (scaled) and dV in bf16: by TMA store from `out_smem`, or masked stores where its keys pass T."
+    if start_n + BLOCK_N <= T:
+        tma.store_wait(0)                             # the last tile's stores have left out_smem
+        out_smem.index(0).store((dk * sm_scale).to(gl.bfloat16))
+        out_smem.index(1).store(dv.to(gl.bfloat16))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dk_desc, [b * T + start_n, kvh * HEAD_DIM], out_smem.index(0))
+        tma.async_copy_shared_to_global(dv_desc, [b * T + start_n, kvh * HEAD_DIM], out_smem.index(1))
+    else:
+        rows = start_n + gl.arange(0, BLOCK_N, gl.SliceLayout(1, a_layout))
+        cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, a_layout))
+        out = (b.to(gl.int64) * stride_dkb + kvh.to(gl.int64) * stride_dkh + gl.expand_dims(rows, 1) * stride_dkt
+               + gl.expand_dims(cols, 0))
+        gl.store(DK + out, (dk * sm_scale).to(gl.bfloat16), mask=gl.expand_dims(rows, 1) < T)
+        gl.store(DV + out, dv.to(gl.bfloat16), mask=gl.expand_dims(rows, 1) < T)
+
+@gluon.jit
 def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, out_smem, dk_desc, dv_desc, kv_bar, kv_free, q_bar,
                    do_bar, free_bar, turn_bar,
                    LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, HEADS, ORDER, n_pairs, scale_log2,
@@ -620,20 +639,8 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, out_sm
                                                  LSE, DELTA, b, kvh, H, T, GROUP, scale_log2, row_layout, p_layout, BLOCK_N,
                                                  BLOCK_M, STAGES, LOADER_ROWS)
         mbarrier.arrive(kv_free.index(C), count=1)    # this tile's K and V are no longer read
-        if start_n + BLOCK_N <= T:
-            tma.store_wait(0)                         # the last tile's stores have left out_smem
-            out_smem.index(0).store((dk * sm_scale).to(gl.bfloat16))
-            out_smem.index(1).store(dv.to(gl.bfloat16))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(dk_desc, [b * T + start_n, kvh * HEAD_DIM], out_smem.index(0))
-            tma.async_copy_shared_to_global(dv_desc, [b * T + start_n, kvh * HEAD_DIM], out_smem.index(1))
-        else:
-            rows = start_n + gl.arange(0, BLOCK_N, gl.SliceLayout(1, a_layout))
-            cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, a_layout))
-            out = (b.to(gl.int64) * stride_dkb + kvh.to(gl.int64) * stride_dkh + gl.expand_dims(rows, 1) * stride_dkt
-                   + gl.expand_dims(cols, 0))
-            gl.store(DK + out, (dk * sm_scale).to(gl.bfloat16), mask=gl.expand_dims(rows, 1) < T)
-            gl.store(DV + out, dv.to(gl.bfloat16), mask=gl.expand_dims(rows, 1) < T)
+        _dkdv_store(dk, dv, out_smem, dk_desc, dv_desc, DK, DV, stride_dkb, stride_dkt, stride_dkh, b, kvh, start_n, T,
+                    sm_scale, a_layout, HEAD_DIM, BLOCK_N)
         it += steps
         tc += 1
     tma.store_wait(0)
@@ -659,7 +666,7 @@ def hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
     q_bar = _barriers(STAGES, 1)
     do_bar = _barriers(STAGES, 1)
     free_bar = _barriers(STAGES, 2)
-    turn_bar = _barriers(2, 1)
+    turn_bar = _barriers(2 if PIPELINED else 1, 1)   # the consumers' turns (only the pipelined consumers take turns)
     gl.warp_specialize([
         (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, out0, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar, turn_bar,
                           LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, HEADS, ORDER, n_pairs,
