@@ -6,10 +6,9 @@ Docs: https://example.invalid/rtrainer/rtrainer/attention_hopper.html.md"""
 
 # %% auto #0
 __all__ = ['LOG2E', 'LOADER_REGS', 'CONSUMER_REGS', 'FORWARD_TILES', 'DQ_TILES', 'DKDV_TILES', 'ENABLED', 'CALLS',
-           'SECTION_BYTES', 'BALANCED_SECTIONS', 'TILE_TABLE', 'BALANCE_MARGIN', 'ROWS_LAYOUT',
-           'GROUPED_ONLY_HEAD_DIMS', 'hopper_forward_kernel', 'hopper_dq_kernel', 'hopper_dkdv_kernel', 'tma_refusal',
-           'hopper_refusal', 'tile_balance', 'tile_table', 'section_heads', 'hopper_forward', 'hopper_dq',
-           'hopper_dkdv']
+           'SECTION_BYTES', 'BALANCED_SECTIONS', 'TILE_TABLE', 'BALANCE_MARGIN', 'GROUPED_ONLY_HEAD_DIMS',
+           'hopper_forward_kernel', 'hopper_dq_kernel', 'hopper_dkdv_kernel', 'tma_refusal', 'hopper_refusal',
+           'tile_balance', 'tile_table', 'section_heads', 'hopper_forward', 'hopper_dq', 'hopper_dkdv']
 
 # %% ../nbs/02a_attention_hopper.ipynb #d91c67b1
 import collections, functools, os
@@ -668,10 +667,12 @@ def hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_de
     free_bar = _barriers(STAGES, 2)
     turn_bar = _barriers(2 if PIPELINED else 1, 1)   # the consumers' turns (only the pipelined consumers take turns)
     gl.warp_specialize([
-        (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, out0, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar, turn_bar,
+        (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, out0, dk_desc, dv_desc, kv_bar, kv_free, q_bar,
+                          do_bar, free_bar, turn_bar,
                           LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, HEADS, ORDER, n_pairs,
                           scale_log2, sm_scale, 0, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, TABLE, PIPELINED, LOADER_ROWS)),
-        (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, out1, dk_desc, dv_desc, kv_bar, kv_free, q_bar, do_bar, free_bar, turn_bar,
+        (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, out1, dk_desc, dv_desc, kv_bar, kv_free, q_bar,
+                          do_bar, free_bar, turn_bar,
                           LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP, BKV, HEADS, ORDER, n_pairs,
                           scale_log2, sm_scale, 1, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, TABLE, PIPELINED, LOADER_ROWS)),
         (_dkdv_loader, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
@@ -803,12 +804,12 @@ def _descriptor_fields(dtype, rows_total, width, row_stride, rows, hd):
     del fields["base"]
     return fields
 
-ROWS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)   # lse, δ blocks: plain fp32
+_ROWS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)   # lse, δ blocks: plain fp32
 
 @functools.lru_cache(maxsize=256)
 def _rows_descriptor_fields(n, block):
     "The fields of a 1-D TMA descriptor over n fp32 values in blocks of `block` but its base (as _descriptor_fields)."
-    fields = dict(vars(TensorDescriptor(torch.empty(0, dtype=torch.float32), [n], [1], [block], ROWS_LAYOUT)))
+    fields = dict(vars(TensorDescriptor(torch.empty(0, dtype=torch.float32), [n], [1], [block], _ROWS_LAYOUT)))
     del fields["base"]
     return fields
 
