@@ -796,36 +796,29 @@ def _better_table(n_pairs, heads, whole, width, widest, programs, device):
 def _block_layout(rows, hd): return gl.NVMMASharedLayout.get_default_for([rows, hd], gl.bfloat16)
 
 @functools.lru_cache(maxsize=256)
-def _descriptor_fields(dtype, rows_total, width, row_stride, rows, hd):
+def _descriptor_fields(dtype, shape, strides, block, layout):
     """The fields of a TMA descriptor of this geometry but its base, checked once by TensorDescriptor against an empty
-    tensor of the dtype (the check that depends on the base, its 16-byte alignment, is tma_refusal's)."""
-    fields = dict(vars(TensorDescriptor(torch.empty(0, dtype=dtype), [rows_total, width], [row_stride, 1], [rows, hd],
-                                        _block_layout(rows, hd))))
+    tensor of the dtype (the check that depends on the base, its 16-byte alignment, is the callers')."""
+    fields = dict(vars(TensorDescriptor(torch.empty(0, dtype=dtype), list(shape), list(strides), list(block), layout)))
     del fields["base"]
     return fields
 
-_ROWS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)   # lse, δ blocks: plain fp32
-
-@functools.lru_cache(maxsize=256)
-def _rows_descriptor_fields(n, block):
-    "The fields of a 1-D TMA descriptor over n fp32 values in blocks of `block` but its base (as _descriptor_fields)."
-    fields = dict(vars(TensorDescriptor(torch.empty(0, dtype=torch.float32), [n], [1], [block], _ROWS_LAYOUT)))
-    del fields["base"]
-    return fields
-
-def _rows_descriptor(t, block):
-    "1-D TMA descriptor over a contiguous, 16-byte aligned fp32 tensor (lse, δ) flattened, in blocks of `block` values."
+def _with_base(t, fields):
+    "A TensorDescriptor of the checked `fields` with `t` as its base, without the checks it runs on every construction."
     d = object.__new__(TensorDescriptor)
-    d.__dict__ = dict(_rows_descriptor_fields(t.numel(), block), base=t)
+    d.__dict__ = dict(fields, base=t)                 # lists shared: read only
     return d
 
 def _descriptor(t, rows):
-    """2-D TMA descriptor over (B*T, heads*hd) of a (B, T, heads, hd) bf16 tensor, in blocks of (rows, hd): the checked
-    fields of its geometry with `t` as the base, without the checks a TensorDescriptor runs on every construction."""
+    "2-D TMA descriptor over (B*T, heads*hd) of a (B, T, heads, hd) bf16 tensor, in blocks of (rows, hd)."
     B, T, heads, hd = t.shape
-    d = object.__new__(TensorDescriptor)
-    d.__dict__ = dict(_descriptor_fields(t.dtype, B * T, heads * hd, t.stride(1), rows, hd), base=t)   # lists shared: read only
-    return d
+    return _with_base(t, _descriptor_fields(t.dtype, (B * T, heads * hd), (t.stride(1), 1), (rows, hd), _block_layout(rows, hd)))
+
+_ROWS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)   # lse, δ blocks: plain fp32
+
+def _rows_descriptor(t, block):
+    "1-D TMA descriptor over a contiguous, 16-byte aligned fp32 tensor (lse, δ) flattened, in blocks of `block` values."
+    return _with_base(t, _descriptor_fields(t.dtype, (t.numel(),), (1,), (block,), _ROWS_LAYOUT))
 
 def hopper_forward(q, k, v, o=None, lse=None, tiles=None):
     """(o (B,T,H,hd) bf16, lse (B,H,T) fp32, natural log) of causal attention by the persistent Hopper kernel; `tiles`
@@ -889,7 +882,7 @@ def hopper_dkdv(do, q, k, v, lse, delta, dk=None, dv=None, tiles=None):
 # %% ../nbs/02a_attention_hopper.ipynb #c4858959
 # attention.py's launchers have checked the outputs' shapes, dtypes and unit last strides; what is left is what the
 # kernels need beyond that: O, dQ, dK and dV written through TMA descriptors, dO and O read through them, lse and δ
-# contiguous.
+# contiguous (and 16-byte aligned for dK/dV, whose loader copies them by TMA).
 def _fast_forward(q, k, v, causal, o, lse):
     if hopper_refusal(q, k, v, causal) or tma_refusal(o) or not lse.is_contiguous(): return None
     return hopper_forward(q, k, v, o, lse)
