@@ -208,7 +208,7 @@ def fused_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_
                            do_bar, free_bar, turn_bar, LSE, DELTA, DK, DV, stride_dkb, stride_dkt, stride_dkh, H, KV, T, GROUP,
                            BKV, HEADS, ORDER, n_pairs, scale_log2, sm_scale, 1, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, TABLE,
                            EARLY_TURN)),
-        # the loader without lse and δ (LSE_SMEM False): Q's and dO's descriptors and buffers stand in for theirs, unread
+        # the loader without lse and δ (LOADER_ROWS False): Q's and dO's descriptors and buffers stand in for theirs, unread
         (_dkdv_loader, (q_desc, k_desc, v_desc, do_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, q_smem, do_smem,
                         kv_bar, kv_free, q_bar, do_bar, free_bar, KV, T, GROUP, BKV, HEADS, ORDER, n_pairs, HEAD_DIM, BLOCK_N,
                         BLOCK_M, STAGES, TABLE, False)),

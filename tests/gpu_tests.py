@@ -34,6 +34,11 @@ def parse_junit(path):
     return out
 
 
+def green(record):
+    "Whether a record vouches for its commit: tests ran, none failed, and no phase stopped before its end."
+    return record["failed"] == 0 and not record["incomplete_phases"] and record["passed"] > 0
+
+
 def summarize(cases, phases, seconds, command):
     "The record: counts, the failures' names and messages, the slowest tests."
     count = lambda o: sum(1 for c in cases if c[1] == o)
@@ -100,7 +105,7 @@ def main(argv=None):
         print(f"\nGPU tests: {record['passed']} passed, {record['failed']} failed, {record['skipped']} skipped in "
               f"{record['duration_s']:.0f} s; recorded in {path}")
         for f in record["failures"]: print(f"  {f['outcome'].upper()} {f['test']}: {f['message'][:160]}")
-    return 0 if record["failed"] == 0 and not record["incomplete_phases"] and record["passed"] > 0 else 1
+    return 0 if green(record) else 1
 
 
 if __name__ == "__main__":
