@@ -31,7 +31,7 @@ FORWARD_TILES = {64: (64, 128, 3), 128: (64, 128, 2)}
 DQ_TILES = {64: (64, 64, 3), 128: (64, 64, 3)}   # head dim 64 without grouped heads keeps the Triton dQ (GROUPED_ONLY_HEAD_DIMS)
 # (keys per consumer, query rows per ring slot, ring slots, pipelined with K and V in registers, lse and δ brought by
 # the loader into shared memory: where T % 4 ≠ 0 the consumers load them, a TMA copy starting 16-byte aligned)
-DKDV_TILES = {64: (64, 64, 3, True, True), 128: (64, 64, 3, False, False)}
+DKDV_TILES = {64: (64, 64, 3, True, True), 128: (64, 64, 3, False, True)}
 
 @gluon.jit
 def _barriers(n: gl.constexpr, count: gl.constexpr):
