@@ -21,7 +21,7 @@ __all__ = ['CHECKPOINT_FORMAT', 'LEGACY_CHECKPOINT_FORMATS', 'SHAPE_FIELDS', 'DA
            'measure_init_checkpoint']
 
 # %% ../nbs/06_training.ipynb #9db08b8c
-import ctypes, dataclasses, hashlib, itertools, json, math, os, re, shutil, signal, statistics, sys, tempfile, threading, time, uuid, zlib
+import ctypes, dataclasses, gc, hashlib, itertools, json, math, os, re, shutil, signal, statistics, sys, tempfile, threading, time, uuid, zlib
 from dataclasses import asdict
 from pathlib import Path
 import numpy as np
@@ -965,11 +965,17 @@ class CapturedStep:
         built in it are dropped; then a fallback run goes on with eager steps (and says so), any other run stops."""
         om = optimizer_module
         self.trainer.optimizer.zero_grad()   # the warm-up's gradients: the capture allocates its own in the graph's pool
+        gc.collect()                         # unreachable graphs and pools go now, not inside the capture (below)
         torch.cuda.synchronize(self.trainer.device)
         torch.cuda.empty_cache()          # the warm-up's activations, cached for the side stream: the graph gets its own pool
         before = dict(om._device_tables)     # held below: a cache cleared during the capture must not free what it reads
         staging = om.CAPTURE_STAGING = om.CaptureStaging(2 * om.staging_entries() + 65536)
         self.graph = torch.cuda.CUDAGraph()
+        # No garbage collection inside the capture: a collection there may destroy an earlier, unreachable graph (or a
+        # compiled kernel), a CUDA call that a capturing stream forbids, and the process aborts. torch.cuda.graph stopped
+        # collecting before a capture in torch 2.9; one such abort hit a GPU test run of tiny_moe (torch 2.11).
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             with torch.cuda.graph(self.graph, stream=side_stream(self.trainer.device)): self.outputs = self.body()
         except Exception as e:
@@ -983,7 +989,9 @@ class CapturedStep:
             self.trainer.log(f"CUDA graph: the step could not be captured ({why}); the run goes on with eager steps")
             self.capture = False
             return
-        finally: om.CAPTURE_STAGING = None
+        finally:
+            om.CAPTURE_STAGING = None
+            if collecting: gc.enable()
         # The tables built in the capture (the gradients' new addresses) are filled by each replay's copy from `staging`:
         # out of the cache, so no eager step reads them. The graph holds them, the staging and the tables it reused.
         built = [om._device_tables.pop(k) for k in list(om._device_tables) if k not in before]

@@ -62,6 +62,36 @@ def test_cuda_graph_step_trains_as_the_eager_step(tmp_path, config):
     print("largest relative weight difference", worst)
     assert worst < 1e-5
 
+def test_cuda_graph_capture_collects_no_garbage(tmp_path):
+    """No garbage collection runs inside the step's capture: there it could destroy an unreachable earlier graph, a CUDA
+    call a capturing stream forbids, and the process would abort. Here such a graph turns unreachable in the capture,
+    with a collection due every 10 allocations; the run goes on, and collection is on again after the capture."""
+    import gc
+    from rtrainer.training import GRAPH_WARMUP_STEPS
+    t = gpu_trainer(tmp_path, steps=10, cuda_graph=True)
+    old = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(old): torch.ones(3, device="cuda").add_(1)
+    class Cycle:
+        def __init__(self, held): self.held, self.me = held, self
+    seen, body = [], t.captured.body
+    def watched():
+        nonlocal old
+        capturing = torch.cuda.is_current_stream_capturing()
+        seen.append((capturing, gc.isenabled()))
+        if capturing:
+            Cycle(old); old = None                  # only a collection can destroy it now
+            for _ in range(100): Cycle(None)        # enough allocations to start one, were collection on
+        return body()
+    t.captured.body = watched
+    threshold = gc.get_threshold()
+    gc.set_threshold(10)
+    try:
+        for i in range(6): t.train_step(i)
+        t.check_step()
+    finally: gc.set_threshold(*threshold)
+    assert seen == [(False, True)] * GRAPH_WARMUP_STEPS + [(True, False)]
+    assert gc.isenabled() and t.captured.graph is not None
+
 def test_cuda_graph_skips_a_non_finite_step(tmp_path):
     "A replayed step that turns non-finite is skipped on the device, and the next step stops the run before its own update."
     t = gpu_trainer(tmp_path, steps=10, cuda_graph=True)
