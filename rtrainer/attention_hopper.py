@@ -451,6 +451,21 @@ def _dkdv_rows(LSE, DELTA, u, first_i, n_i, b, kvh, H, T, GROUP, layout: gl.cons
     return lse2, delta
 
 @gluon.jit
+def _dkdv_p(sT, lse2, qi, start_n, k_pos, scale_log2, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
+    "Pᵀ of a query block from Sᵀ and its base-2 lse, zero where a query precedes its key (fp32, in Sᵀ's layout)."
+    s_cols: gl.constexpr = gl.SliceLayout(0, sT.type.layout)
+    pT = gl.exp2(sT * scale_log2 - gl.expand_dims(gl.convert_layout(lse2, s_cols), 0))
+    if qi * BLOCK_M < start_n + BLOCK_N:              # the block reaches the diagonal
+        q_pos = qi * BLOCK_M + gl.arange(0, BLOCK_M, s_cols)
+        pT = gl.where(gl.expand_dims(q_pos, 0) >= gl.expand_dims(k_pos, 1), pT, 0.0)
+    return pT
+
+@gluon.jit
+def _dkdv_ds(pT, dpT, delta):
+    "dSᵀ = Pᵀ ∘ (dPᵀ − δ), fp32."
+    return pT * (dpT - gl.expand_dims(gl.convert_layout(delta, gl.SliceLayout(0, pT.type.layout)), 0))
+
+@gluon.jit
 def _dkdv_step(u, it, first_i, n_i, start_n, k_pos, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, q_bar, do_bar,
                free_bar, dk, dv, lse2, delta, zero_s, LSE, DELTA, b, kvh, H, T, GROUP, scale_log2, row_layout: gl.constexpr,
                p_layout: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
@@ -474,13 +489,10 @@ def _dkdv_step(u, it, first_i, n_i, start_n, k_pos, k_tile, v_tile, q_smem, do_s
         else:
             next_lse2, next_delta = _dkdv_rows(LSE, DELTA, u + 1, first_i, n_i, b, kvh, H, T, GROUP, row_layout, BLOCK_M)
             sT = warpgroup_mma_wait(num_outstanding=1, deps=[sT])
-        pT = gl.exp2(sT * scale_log2 - gl.expand_dims(gl.convert_layout(lse2, s_cols), 0))
-        if qi * BLOCK_M < start_n + BLOCK_N:          # the block reaches the diagonal
-            q_pos = qi * BLOCK_M + gl.arange(0, BLOCK_M, s_cols)
-            pT = gl.where(gl.expand_dims(q_pos, 0) >= gl.expand_dims(k_pos, 1), pT, 0.0)
+        pT = _dkdv_p(sT, lse2, qi, start_n, k_pos, scale_log2, BLOCK_N, BLOCK_M)
         dv = warpgroup_mma(gl.convert_layout(pT.to(gl.bfloat16), p_layout), do_smem.index(slot), dv, is_async=True)
         dpT = warpgroup_mma_wait(num_outstanding=1, deps=[dpT])
-        dsT = pT * (dpT - gl.expand_dims(gl.convert_layout(delta, s_cols), 0))
+        dsT = _dkdv_ds(pT, dpT, delta)         # while dV's product runs
         dk = warpgroup_mma(gl.convert_layout(dsT.to(gl.bfloat16), p_layout), q_smem.index(slot), dk, is_async=True)
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
     else:
@@ -496,12 +508,8 @@ def _dkdv_step(u, it, first_i, n_i, start_n, k_pos, k_tile, v_tile, q_smem, do_s
 def _dkdv_operands(sT, dpT, lse2, delta, qi, start_n, k_pos, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                    BLOCK_M: gl.constexpr, scale_log2):
     "Pᵀ and dSᵀ = Pᵀ ∘ (dPᵀ − δ) of a query block, as the bf16 register operands of dV += Pᵀ dO and dK += dSᵀ Q."
-    s_cols: gl.constexpr = gl.SliceLayout(0, sT.type.layout)
-    pT = gl.exp2(sT * scale_log2 - gl.expand_dims(gl.convert_layout(lse2, s_cols), 0))
-    if qi * BLOCK_M < start_n + BLOCK_N:              # the block reaches the diagonal
-        q_pos = qi * BLOCK_M + gl.arange(0, BLOCK_M, s_cols)
-        pT = gl.where(gl.expand_dims(q_pos, 0) >= gl.expand_dims(k_pos, 1), pT, 0.0)
-    dsT = pT * (dpT - gl.expand_dims(gl.convert_layout(delta, s_cols), 0))
+    pT = _dkdv_p(sT, lse2, qi, start_n, k_pos, scale_log2, BLOCK_N, BLOCK_M)
+    dsT = _dkdv_ds(pT, dpT, delta)
     return gl.convert_layout(pT.to(gl.bfloat16), p_layout), gl.convert_layout(dsT.to(gl.bfloat16), p_layout)
 
 @gluon.jit
