@@ -828,6 +828,11 @@ def _rows_descriptor(t, block):
     "1-D TMA descriptor over a contiguous, 16-byte aligned fp32 tensor (lse, δ) flattened, in blocks of `block` values."
     return _with_base(t, _descriptor_fields(t.dtype, (t.numel(),), (1,), (block,), _ROWS_LAYOUT))
 
+@functools.lru_cache(maxsize=16)
+def _unread_rows(device, block):
+    "The 1-D descriptor the dK/dV kernel takes for lse's and δ's where its consumers load them: never read."
+    return _rows_descriptor(torch.empty(block, dtype=torch.float32, device=device), block)
+
 def hopper_forward(q, k, v, o=None, lse=None, tiles=None):
     """(o (B,T,H,hd) bf16, lse (B,H,T) fp32, natural log) of causal attention by the persistent Hopper kernel; `tiles`
     replaces FORWARD_TILES[hd] (experiments)."""
@@ -871,7 +876,10 @@ def hopper_dkdv(do, q, k, v, lse, delta, dk=None, dv=None, tiles=None):
     B, T, H, hd = q.shape
     KV = k.shape[2]
     block_n, block_m, stages, pipelined, loader_rows = tiles or DKDV_TILES[hd]
-    loader_rows = loader_rows and T % 4 == 0      # TMA copies lse and δ from 16-byte aligned starts only: (head * T) % 4 == 0
+    # A TMA copy starts 16-byte aligned: each head's lse and δ (at head * T) are where T % 4 == 0 and their bases are.
+    loader_rows = loader_rows and T % 4 == 0 and lse.data_ptr() % 16 == 0 and delta.data_ptr() % 16 == 0
+    rows = ((_rows_descriptor(lse, block_m), _rows_descriptor(delta, block_m)) if loader_rows
+            else (_unread_rows(q.device, block_m),) * 2)
     dk = torch.empty(B, T, KV, hd, dtype=q.dtype, device=q.device) if dk is None else dk
     dv = torch.empty_like(dk) if dv is None else dv
     n_pairs = triton.cdiv(T, 2 * block_n)
@@ -879,8 +887,7 @@ def hopper_dkdv(do, q, k, v, lse, delta, dk=None, dv=None, tiles=None):
     width, table = _plan("dkdv", B, T, H, KV, hd, n_pairs, programs, q.device)
     launch(hopper_dkdv_kernel, (programs,),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(do, block_m),
-        _descriptor(dk, block_n), _descriptor(dv, block_n), _rows_descriptor(lse, block_m), _rows_descriptor(delta, block_m),
-        lse, delta, dk, dv, *dk.stride()[:3], H, KV, T, H // KV, B * KV,
+        _descriptor(dk, block_n), _descriptor(dv, block_n), *rows, lse, delta, dk, dv, *dk.stride()[:3], H, KV, T, H // KV, B * KV,
         width, lse if table is None else table, n_pairs, LOG2E / hd ** 0.5, 1.0 / hd ** 0.5, HEAD_DIM=hd, BLOCK_N=block_n, BLOCK_M=block_m,
         STAGES=stages, TABLE=table is not None, PIPELINED=pipelined, LOADER_ROWS=loader_rows,
         REGS=CONSUMER_REGS, num_warps=4)
@@ -890,7 +897,7 @@ def hopper_dkdv(do, q, k, v, lse, delta, dk=None, dv=None, tiles=None):
 # %% ../nbs/02a_attention_hopper.ipynb #c4858959
 # attention.py's launchers have checked the outputs' shapes, dtypes and unit last strides; what is left is what the
 # kernels need beyond that: O, dQ, dK and dV written through TMA descriptors, dO and O read through them, lse and δ
-# contiguous (and 16-byte aligned for dK/dV, whose loader copies them by TMA).
+# contiguous.
 def _fast_forward(q, k, v, causal, o, lse):
     if hopper_refusal(q, k, v, causal) or tma_refusal(o) or not lse.is_contiguous(): return None
     return hopper_forward(q, k, v, o, lse)
@@ -908,8 +915,7 @@ def _fast_dq(do, q, k, v, o, lse, causal, dq, delta):
 
 def _fast_dkdv(do, q, k, v, lse, delta, causal, dk, dv):
     if (q.shape[-1] not in DKDV_TILES or _triton_kept(q, k) or hopper_refusal(q, k, v, causal) or tma_refusal(do)
-            or tma_refusal(dk) or tma_refusal(dv) or not lse.is_contiguous() or not delta.is_contiguous()
-            or lse.data_ptr() % 16 or delta.data_ptr() % 16): return None
+            or tma_refusal(dk) or tma_refusal(dv) or not lse.is_contiguous() or not delta.is_contiguous()): return None
     return hopper_dkdv(do, q, k, v, lse, delta, dk, dv)
 
 FAST_PATHS.update(forward=_fast_forward, dq=_fast_dq, dkdv=_fast_dkdv)

@@ -86,6 +86,29 @@ def test_hopper_dkdv_both_schedules(hd, tiles, B, T, H, KV, monkeypatch):
     assert max(errors.values()) < 1e-2, errors
     assert hopper.CALLS["dkdv"] == 2, dict(hopper.CALLS)
 
+@pytest.mark.parametrize("hd", [64, 128])
+def test_hopper_dkdv_takes_lse_at_any_alignment(hd, monkeypatch):
+    """lse and δ whose bases are 4 bytes past a 16-byte boundary: the Hopper dK/dV still runs (its consumers load them,
+    where the loader's TMA copy would need an aligned start), and gives the dK and dV of aligned copies."""
+    hopper = _hopper(monkeypatch)
+    from rtrainer.attention import flash_backward_dkdv
+    monkeypatch.setattr(hopper, "GROUPED_ONLY_HEAD_DIMS", set())
+    B, T, H, KV = 2, 256, 4, 2
+    q, do = (torch.randn(B, T, H, hd, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    k, v = (torch.randn(B, T, KV, hd, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    o, lse = hopper.hopper_forward(q, k, v)
+    delta = (do.float() * o.float()).sum(-1).transpose(1, 2).contiguous()
+    def shifted(t):                                   # the same values, 4 bytes into a fresh buffer
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+        buf[1:].copy_(t.flatten())
+        return buf[1:].view(t.shape)
+    hopper.CALLS.clear()
+    aligned = flash_backward_dkdv(do, q, k, v, lse, delta)
+    moved = flash_backward_dkdv(do, q, k, v, shifted(lse), shifted(delta))
+    assert hopper.CALLS["dkdv"] == 2, dict(hopper.CALLS)
+    for a, m in zip(aligned, moved):
+        assert (m.float() - a.float()).abs().max() <= 1e-2 * a.float().abs().max()
+
 def _tile_start(kind, t, n_pairs, heads, width, per_batch, rows):
     "(batch, head, first row) of the tile at index t of `kind`'s order in sections of `width` heads (the kernels' _sectioned, _tile)."
     first = t // (n_pairs * width) * width
