@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, fenc
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tma_reduce import async_reduce_add
-from rtrainer.attention_hopper import (_barriers, _take_turn, _sectioned, _ordered, _dkdv_loader, _dkdv_rows, _dkdv_store,
+from rtrainer.attention_hopper import (_barriers, _take_turn, _sectioned, _ordered, _dkdv_loader, _dkdv_rows, _dkdv_p, _dkdv_ds, _dkdv_store,
                                        _descriptor, _plan, _sm_count, LOADER_REGS, CONSUMER_REGS, LOG2E)
 from rtrainer.kernels import launch
 
@@ -43,13 +43,8 @@ SMOKE_TIMEOUT_S = int(os.environ.get("SMOKE_TIMEOUT_S", 240))
 def _operands(sT, dpT, lse2, delta, qi, start_n, k_pos, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_M: gl.constexpr, scale_log2):
     "Pᵀ as the register operand of dV += Pᵀ dO, and dSᵀ in bf16 for shared memory, where dK += dSᵀ Q and dQ += dS K read it."
-    s_cols: gl.constexpr = gl.SliceLayout(0, sT.type.layout)
-    pT = gl.exp2(sT * scale_log2 - gl.expand_dims(gl.convert_layout(lse2, s_cols), 0))
-    if qi * BLOCK_M < start_n + BLOCK_N:              # the block reaches the diagonal
-        q_pos = qi * BLOCK_M + gl.arange(0, BLOCK_M, s_cols)
-        pT = gl.where(gl.expand_dims(q_pos, 0) >= gl.expand_dims(k_pos, 1), pT, 0.0)
-    dsT = (pT * (dpT - gl.expand_dims(gl.convert_layout(delta, s_cols), 0))).to(gl.bfloat16)
-    return gl.convert_layout(pT.to(gl.bfloat16), p_layout), dsT
+    pT = _dkdv_p(sT, lse2, qi, start_n, k_pos, scale_log2, BLOCK_N, BLOCK_M)
+    return gl.convert_layout(pT.to(gl.bfloat16), p_layout), _dkdv_ds(pT, dpT, delta).to(gl.bfloat16)
 
 @gluon.jit
 def _add_dq(dq, dq_smem, dq_desc, row, col):
