@@ -7,15 +7,16 @@ Docs: https://example.invalid/rtrainer/rtrainer/profiling.html.md"""
 # %% auto #0
 __all__ = ['PHASES', 'PROFILE_WARMUP_STEPS', 'CHART_ROWS', 'UNUSED_OUT_DIR', 'ARM_GUARD', 'AUTOCAST_TIERS', 'TIERS',
            'ARM_RESULT_PREFIX', 'SWEEP_ARCH_VARIANTS', 'CHANGED_FRACTION', 'CHANGED_MIN_MS', 'GEMM_CEILING_TFLOPS',
-           'ROOFLINE_FAMILIES', 'FAMILY_PATTERNS', 'ROOFLINE_METHOD', 'resolve_peak_tflops', 'days_for_tokens',
-           'ProfilingTrainer', 'attribute_device_events', 'device_gaps', 'profile_step', 'profile_trainer',
-           'profile_table', 'profile_chart', 'Worktree', 'run_in_worktree', 'tokens_per_s_from_metrics', 'ab_arm',
-           'summarize_pairs', 'print_summary', 'ab', 'PlainMoe', 'PlainBlock', 'PlainTransformer',
-           'plain_parameter_counts', 'check_parameter_counts', 'gradient_dtypes', 'dtype_census', 'PlainAdamW',
-           'cuda_graphs_recorded', 'ArmRun', 'arm_failure', 'run_arm', 'process_failure', 'arm_worker_main', 'KeptArm',
-           'run_arm_process', 'KeptArms', 'versus', 'sweep_arch', 'sweep_arch_suite', 'changed_rows', 'refuse_on_cpu',
-           'run_profile', 'run_ab', 'parse_batches', 'run_versus', 'run_sweep_arch', 'kernel_floor_ms', 'step_kernels',
-           'step_floor', 'kernel_family', 'measured_families', 'roofline_report', 'roofline_table', 'roofline_suite']
+           'H200_CEILINGS', 'ROOFLINE_FAMILIES', 'FAMILY_PATTERNS', 'ROOFLINE_METHOD', 'resolve_peak_tflops',
+           'days_for_tokens', 'ProfilingTrainer', 'attribute_device_events', 'device_gaps', 'profile_step',
+           'profile_trainer', 'profile_table', 'profile_chart', 'Worktree', 'run_in_worktree',
+           'tokens_per_s_from_metrics', 'ab_arm', 'summarize_pairs', 'print_summary', 'ab', 'PlainMoe', 'PlainBlock',
+           'PlainTransformer', 'plain_parameter_counts', 'check_parameter_counts', 'gradient_dtypes', 'dtype_census',
+           'PlainAdamW', 'cuda_graphs_recorded', 'ArmRun', 'arm_failure', 'run_arm', 'process_failure',
+           'arm_worker_main', 'KeptArm', 'run_arm_process', 'KeptArms', 'versus', 'sweep_arch', 'sweep_arch_suite',
+           'changed_rows', 'refuse_on_cpu', 'run_profile', 'run_ab', 'parse_batches', 'run_versus', 'run_sweep_arch',
+           'measure_ceilings', 'kernel_floor_ms', 'step_kernels', 'step_floor', 'kernel_family', 'measured_families',
+           'roofline_report', 'roofline_table', 'roofline_suite']
 
 # %% ../nbs/07_profiling.ipynb #973d0d1b
 import json, math, os, queue, shlex, shutil, subprocess, sys, tempfile, threading, time
@@ -898,6 +899,9 @@ def _profile_report(args):
     meta = machine_metadata()
     meta["gpu"] = meta.pop("device")         # the report's `device` stays the torch device ("cuda", "cpu") the rest reads
     report.update(config=args.config, batch_size=trainer.cfg.batch_size, seq_len=trainer.cfg.seq_len, impl=trainer.model.impl, **meta)
+    if report["device"].startswith("cuda"):  # the roofline's ceilings, measured on this GPU once the step's memory is free
+        del trainer; torch.cuda.empty_cache()
+        report["ceilings"] = measure_ceilings(report["device"])
     return report
 
 def run_profile(args):
@@ -923,10 +927,14 @@ def run_profile(args):
     chart = profile_chart(report, out.with_suffix(".png"))
     print(f"report: {out}, chart: {chart}")
     if report["device"].startswith("cuda"):
+        roofline = roofline_report(model_config(args.config, vocab_size=args.vocab_size), report["batch_size"], report["seq_len"], report)
+        ceilings = report["ceilings"]
+        print(f"\nroofline at this GPU's ceilings ({ceilings['gemm_tflops']:.0f} TFLOP/s bf16 matmul, "
+              f"{ceilings['copy_GBps'] / 1e3:.2f} TB/s copy):\n{roofline_table(roofline)}")
         rows = [dict(name=f"[phase] {k}", ms=v) for k, v in report["phases_ms"].items()] + report["rows"] + [
             dict(name="all kernels", ms=report["kernel_sum_ms"]), dict(name="unattributed", ms=report["unattributed_ms"]),
             dict(name="full step", ms=report["full_step_ms"])]
-        print(f"recorded: {save_results(f'profile_{args.config}', rows, batch_size=report['batch_size'], seq_len=report['seq_len'], config=args.config, method=report['method'], full_step_without_profiler_ms=report['unprofiled_step_ms'], device_idle_ms=report['device_idle_ms'], largest_gaps=report['largest_gaps'], roofline=roofline_report(model_config(args.config, vocab_size=getattr(args, 'vocab_size', None)), report['batch_size'], report['seq_len'], report))}")
+        print(f"recorded: {save_results(f'profile_{args.config}', rows, batch_size=report['batch_size'], seq_len=report['seq_len'], config=args.config, method=report['method'], full_step_without_profiler_ms=report['unprofiled_step_ms'], device_idle_ms=report['device_idle_ms'], largest_gaps=report['largest_gaps'], ceilings=ceilings, roofline=roofline)}")
     if base:
         print(f"full step: baseline {args.baseline_ref} ({base['commit'][:10]}) {base['full_step_ms']:.3f} ms, "
               f"this tree {report['full_step_ms']:.3f} ms ({report['full_step_ms'] / base['full_step_ms']:.3f}x)")
@@ -968,15 +976,33 @@ def run_sweep_arch(args):
 from .kernels import COPY_CEILING_GBPS, load_results    # the copy ceiling; recorded profiles
 
 GEMM_CEILING_TFLOPS = 790.0   # bf16 8192^3 matmul on the H200 (nbs/measuring.ipynb); best model-shape GEMM in data/results/gemm.json: 778
+H200_CEILINGS = dict(gemm_tflops=GEMM_CEILING_TFLOPS, copy_GBps=COPY_CEILING_GBPS, source="the measuring protocol's, on an H200")
 ROOFLINE_FAMILIES = ("GEMM", "attention", "norms and pointwise", "MoE routing", "optimizer", "other")
 
-def kernel_floor_ms(flops, n_bytes):
-    "The least time of one kernel (ms): its FLOPs at the GEMM ceiling or its bytes at the copy ceiling, whichever is longer."
-    return max(flops / (GEMM_CEILING_TFLOPS * 1e9), n_bytes / (COPY_CEILING_GBPS * 1e6))
+def measure_ceilings(device="cuda", reps=10):
+    """This GPU's two ceilings as the measuring protocol takes them: a bf16 matmul of 8192^3 on random data (TFLOP/s) and a
+    1 GiB device-to-device copy (GB/s, bytes read + written), each the mean of `reps` calls after three warm-ups."""
+    a, b, out = (torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) for _ in range(3))
+    src = torch.rand(2**29, device=device, dtype=torch.bfloat16); dst = torch.empty_like(src)
+    def mean_ms(fn):
+        for _ in range(3): fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps): fn()
+        end.record(); end.synchronize()
+        return start.elapsed_time(end) / reps
+    gemm_ms, copy_ms = mean_ms(lambda: torch.mm(a, b, out=out)), mean_ms(lambda: dst.copy_(src))
+    return dict(gemm_tflops=round(2 * 8192**3 / gemm_ms / 1e9, 1), copy_GBps=round(2 * src.nbytes / copy_ms / 1e6, 1),
+                source=f"measure_ceilings on {torch.cuda.get_device_name(device)}")
 
-def step_kernels(c: ModelConfig, batch_size, seq_len):
+def kernel_floor_ms(flops, n_bytes, ceilings=H200_CEILINGS):
+    "The least time of one kernel (ms): its FLOPs at the GEMM ceiling or its bytes at the copy ceiling, whichever is longer."
+    return max(flops / (ceilings["gemm_tflops"] * 1e9), n_bytes / (ceilings["copy_GBps"] * 1e6))
+
+def step_kernels(c: ModelConfig, batch_size, seq_len, ceilings=H200_CEILINGS):
     """The kernels of one training step (forward, backward, optimizer) of `c` at batch_size x seq_len: dicts of name, family,
-    calls, FLOPs (matrix products only), minimal bytes (each input read once, each output written once) and floor_ms."""
+    calls, FLOPs (matrix products only), minimal bytes (each input read once, each output written once) and floor_ms at
+    `ceilings`."""
     B, T, N = batch_size, seq_len, batch_size * seq_len
     D, H, KV, hd = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
     e = 4 if c.precision == "fp32" else 2                 # bytes of an activation or matrix element (bf16 on a GPU)
@@ -985,7 +1011,7 @@ def step_kernels(c: ModelConfig, batch_size, seq_len):
     kernels = []
     def add(name, family, calls, flops, n_bytes):        # flops and n_bytes of one call
         if calls: kernels.append(dict(name=name, family=family, calls=calls, flops=calls * flops, bytes=calls * n_bytes,
-                                      floor_ms=calls * kernel_floor_ms(flops, n_bytes)))
+                                      floor_ms=calls * kernel_floor_ms(flops, n_bytes, ceilings)))
     def linear(name, calls, rows, d_in, d_out, weights=1):   # x (rows, d_in) @ W (d_in, d_out) and its two gradients
         flops, w = 2 * rows * d_in * d_out, weights * d_in * d_out
         add(f"{name}.forward", "GEMM", calls, flops, e * (rows * d_in + w + rows * d_out))          # read x, W; write y
@@ -1029,10 +1055,10 @@ def step_kernels(c: ModelConfig, batch_size, seq_len):
     add("grad_norm", "optimizer", 1, 0, 4 * counts["total"])                       # read every fp32 gradient
     return kernels
 
-def step_floor(c: ModelConfig, batch_size, seq_len):
+def step_floor(c: ModelConfig, batch_size, seq_len, ceilings=H200_CEILINGS):
     "{family: dict(flops, bytes, floor_ms)} of one training step, `step_kernels` summed by family (every family present)."
     out = {f: dict(flops=0, bytes=0, floor_ms=0.0) for f in ROOFLINE_FAMILIES}
-    for kernel in step_kernels(c, batch_size, seq_len):
+    for kernel in step_kernels(c, batch_size, seq_len, ceilings):
         for key in ("flops", "bytes", "floor_ms"): out[kernel["family"]][key] += kernel[key]
     return out
 
@@ -1070,11 +1096,13 @@ def measured_families(profile):
     out["other"] += max(0.0, kernel_sum - sum(r["ms"] for r in kernels))
     return out
 
-def roofline_report(c: ModelConfig, batch_size, seq_len, profile=None):
+def roofline_report(c: ModelConfig, batch_size, seq_len, profile=None, ceilings=None):
     """The step's floor by family; given a profile of that step, each family's measured time and gap, the launch gaps
-    (device idle), and the remainder (step without the profiler - kernels - idle) that closes the sum."""
-    floors = step_floor(c, batch_size, seq_len)
-    report = dict(batch_size=batch_size, seq_len=seq_len, floor_ms=sum(f["floor_ms"] for f in floors.values()),
+    (device idle), and the remainder (step without the profiler - kernels - idle) that closes the sum. The floors take
+    `ceilings`, else those the profile measured on its GPU, else the measuring protocol's H200 figures."""
+    ceilings = ceilings or (profile or {}).get("ceilings") or H200_CEILINGS
+    floors = step_floor(c, batch_size, seq_len, ceilings)
+    report = dict(batch_size=batch_size, seq_len=seq_len, ceilings=ceilings, floor_ms=sum(f["floor_ms"] for f in floors.values()),
                   families=[dict(family=f, **v) for f, v in floors.items()], measured=None)
     if profile is None: return report
     measured = measured_families(profile)
@@ -1099,8 +1127,9 @@ def roofline_table(report):
     return "\n".join(lines)
 
 # %% ../nbs/07_profiling.ipynb #f3c4f54a
-ROOFLINE_METHOD = ("floors analytic (step_kernels: FLOPs at GEMM_CEILING_TFLOPS, bytes at kernels.COPY_CEILING_GBPS, the larger per "
-                   "kernel, summed); measured times from the recorded data/results/profile_CONFIG.json")
+ROOFLINE_METHOD = ("floors analytic (step_kernels: FLOPs at the GEMM ceiling, bytes at the copy ceiling, the larger per kernel, "
+                   "summed; the ceilings each profile measured on its GPU, else H200_CEILINGS); measured times from the recorded "
+                   "data/results/profile_CONFIG.json")
 
 def roofline_suite(configs=tuple(REFERENCE_BATCH), seq_len=1024, save=True):
     "Roofline reports of `configs` at their reference batch, measured where a profile is recorded; saved as data/results/roofline.json."
@@ -1113,5 +1142,5 @@ def roofline_suite(configs=tuple(REFERENCE_BATCH), seq_len=1024, save=True):
         if profile: row["measured"]["profile"] = dict(file=f"profile_{name}.json", **{k: profile.get(k) for k in ("device", "date", "commit")})
         else: row["note"] = "not profiled on the GPU yet"
         rows.append(row)
-    if save: save_results("roofline", rows, method=ROOFLINE_METHOD, gemm_ceiling_tflops=GEMM_CEILING_TFLOPS, copy_ceiling_GBps=COPY_CEILING_GBPS)
+    if save: save_results("roofline", rows, method=ROOFLINE_METHOD)
     return rows

@@ -2,7 +2,7 @@
 import math
 import pytest
 import torch
-from rtrainer.profiling import PHASES, profile_trainer, profile_step, versus, run_arm
+from rtrainer.profiling import PHASES, profile_trainer, profile_step, versus, run_arm, measure_ceilings
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -18,6 +18,13 @@ def test_profile_attributes_kernels_to_phases(impl):
     assert 0 < report["kernel_sum_ms"] <= report["full_step_ms"]
     other = sum(r["ms"] for r in report["rows"] if r["name"].startswith("other."))
     assert other < 0.2 * report["kernel_sum_ms"], f"{other:.3f} ms of kernels outside every phase"
+
+def test_measure_ceilings_reads_this_gpu():
+    "The two ceilings land between a tenth of and the datasheet (dense bf16 under 1000 TFLOP/s, HBM under 5 TB/s read + written)."
+    ceilings = measure_ceilings(reps=3)
+    print(ceilings)
+    assert 100 < ceilings["gemm_tflops"] < 1000 and 500 < ceilings["copy_GBps"] < 10_000, ceilings
+    assert torch.cuda.get_device_name() in ceilings["source"]
 
 def test_baseline_arms_run_and_record_graphs():
     spec = dict(config="tiny", batch_size=8, seq_len=128, warmup=3, steps=3)

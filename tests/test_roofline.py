@@ -6,7 +6,7 @@ from rtrainer.attention import attention_flops
 from rtrainer.kernels import load_results, COPY_CEILING_GBPS
 from rtrainer.model import model_config, flops_per_token, REFERENCE_BATCH, TransformerLm
 from rtrainer.profiling import (step_kernels, step_floor, kernel_floor_ms, kernel_family, measured_families, roofline_report,
-                                roofline_suite, ROOFLINE_FAMILIES, GEMM_CEILING_TFLOPS, profile_trainer, profile_step)
+                                roofline_suite, ROOFLINE_FAMILIES, GEMM_CEILING_TFLOPS, H200_CEILINGS, profile_trainer, profile_step)
 
 ODD_SHAPES = [("rb100m", 3, 77), ("prof183m", 1, 1024), ("dense1b", 5, 33), ("moe4b", 2, 129), ("tiny_moe", 7, 19), ("tiny", 1, 1)]
 
@@ -70,6 +70,22 @@ def test_kernel_floor_is_the_slower_ceiling():
     assert kernel_floor_ms(GEMM_CEILING_TFLOPS * 1e9, 0) == pytest.approx(1.0)          # 790 GFLOP: 1 ms
     assert kernel_floor_ms(1.0, COPY_CEILING_GBPS * 1e6) == pytest.approx(1.0)          # 4.26 GB: 1 ms
     assert kernel_floor_ms(2 * GEMM_CEILING_TFLOPS * 1e9, COPY_CEILING_GBPS * 1e6) == pytest.approx(2.0)
+
+def test_floors_take_the_profiles_own_ceilings():
+    "A profile that measured its GPU's ceilings gets floors at those: bytes-bound families scale with the copy ceiling alone."
+    c, B, T = model_config("tiny_moe"), 3, 37
+    slower = dict(gemm_tflops=GEMM_CEILING_TFLOPS / 3, copy_GBps=H200_CEILINGS["copy_GBps"] / 2, source="made up")
+    at_h200 = {r["family"]: r for r in roofline_report(c, B, T)["families"]}
+    report = roofline_report(c, B, T, profile=dict(ceilings=slower, rows=[dict(name="all kernels", ms=1.0)], full_step_without_profiler_ms=2.0))
+    assert report["ceilings"] == slower and roofline_report(c, B, T)["ceilings"] == H200_CEILINGS
+    ours = {r["family"]: r for r in report["families"]}
+    for family in ("norms and pointwise", "optimizer"):                  # no FLOPs: twice the time at half the bandwidth
+        assert at_h200[family]["floor_ms"] > 0 and ours[family]["floor_ms"] == pytest.approx(2 * at_h200[family]["floor_ms"], rel=1e-12)
+    assert ours["GEMM"]["floor_ms"] == pytest.approx(sum(max(3 * k["flops"] / (GEMM_CEILING_TFLOPS * 1e9), k["bytes"] / (H200_CEILINGS["copy_GBps"] * 5e5))
+                                                     for k in step_kernels(c, B, T) if k["family"] == "GEMM"), rel=1e-12)
+    profile = dict(ceilings=slower, rows=[dict(name="all kernels", ms=1.0)], full_step_without_profiler_ms=2.0)
+    assert roofline_report(c, B, T, profile=profile, ceilings=H200_CEILINGS)["floor_ms"] == pytest.approx(
+        sum(r["floor_ms"] for r in at_h200.values()), rel=1e-12)                           # an explicit argument wins
 
 @pytest.mark.parametrize("name", ["rb100m", "prof183m"])
 def test_recorded_profiles_are_classified(name):
@@ -136,15 +152,19 @@ def test_recorded_roofline_matches_the_code():
     json.dumps(recorded)
 
 def test_profile_command_records_the_roofline(tmp_path, monkeypatch):
-    "On a GPU `rtrainer profile` records the roofline report beside the rows (the GPU's report faked from a CPU one)."
+    "On a GPU `rtrainer profile` records the roofline report, at the ceilings it measured, beside the rows (the GPU's report faked from a CPU one)."
     import rtrainer.profiling as profiling
     from rtrainer.cli import main
     trainer = profile_trainer("tiny", batch_size=2, seq_len=16, vocab_size=512)
-    report = dict(profile_step(trainer), device="cuda", device_idle_ms=0.5, largest_gaps=[], config="tiny", batch_size=2, seq_len=16)
+    ceilings = dict(gemm_tflops=500.0, copy_GBps=3000.0, source="made up")
+    report = dict(profile_step(trainer), device="cuda", device_idle_ms=0.5, largest_gaps=[], config="tiny", batch_size=2, seq_len=16,
+                  ceilings=ceilings)
     saved = {}
     monkeypatch.setattr(profiling, "_profile_report", lambda args: report)
     monkeypatch.setattr(profiling, "save_results", lambda name, rows, **extra: saved.update(extra, name=name) or tmp_path / name)
     assert main(["profile", "--config", "tiny", "--vocab-size", "512", "--out", str(tmp_path / "p.json")]) == 0
     roofline = saved["roofline"]
     assert saved["name"] == "profile_tiny" and roofline["measured"]["launch_gaps_ms"] == 0.5
-    assert roofline["floor_ms"] == pytest.approx(roofline_report(model_config("tiny", vocab_size=512), 2, 16)["floor_ms"])
+    assert saved["ceilings"] == roofline["ceilings"] == ceilings
+    assert roofline["floor_ms"] == pytest.approx(roofline_report(model_config("tiny", vocab_size=512), 2, 16, ceilings=ceilings)["floor_ms"])
+    assert roofline["floor_ms"] > roofline_report(model_config("tiny", vocab_size=512), 2, 16)["floor_ms"]   # slower than the H200's
