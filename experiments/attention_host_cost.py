@@ -51,7 +51,7 @@ def parts_at(B, H, KV, T, hd):
     dq, delta = flash_backward_dq(do, qd, kd, vd, o, lse)
     dk, dv = flash_backward_dkdv(do, qd, kd, vd, lse, delta)
     bm, bn, st = FORWARD_TILES[hd]
-    n_pairs = triton.cdiv(T, 2 * bm)
+    n_pairs = K.cdiv(T, 2 * bm)
     programs = min(n_pairs * B * H, _sm_count(0))
     width, table = hopper._plan("forward", B, T, H, KV, hd, n_pairs, programs, qd.device)   # as hopper_forward launches it
     fwd_args = (_descriptor(qd, bm), _descriptor(kd, bn), _descriptor(vd, bn), _descriptor(o, bm), o, lse, *o.stride()[:3],

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from .kernels import register_op, at_least_fp32, INTERPRETING, KERNELS_CAN_RUN, relative_error, median_ms, ratio_interval, save_results, launch
+from .kernels import register_op, at_least_fp32, INTERPRETING, KERNELS_CAN_RUN, relative_error, median_ms, ratio_interval, save_results, launch, cdiv
 from .kernels import rope_apply, rope_reference, rope_triton, rope_tables
 
 # %% ../nbs/02_attention.ipynb #d990e9b7
@@ -331,7 +331,7 @@ def flash_attention_forward(q, k, v, causal=True, o=None, lse=None, config=None)
     if (out := _fast_path("forward", config, q, k, v, causal, o, lse)) is not None: return out
     sm_scale = 1.0 / math.sqrt(hd)
     kernel, config = _launcher("forward", q.dtype, hd, T, config)
-    launch(kernel, (triton.cdiv(T, config["BLOCK_M"]), B * H), q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+    launch(kernel, (cdiv(T, config["BLOCK_M"]), B * H), q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
            *o.stride()[:3], H, T, H // KV, sm_scale * LOG2_E, HEAD_DIM=hd, CAUSAL=causal, PRECISION=_precision(q.dtype), **config)
     return o, lse
 
@@ -344,7 +344,7 @@ def flash_backward_dq(do, q, k, v, o, lse, causal=True, dq=None, delta=None, con
     delta = _output(delta, (B, H, T), q, "delta", torch.float32)
     if (out := _fast_path("dq", config, do, q, k, v, o, lse, causal, dq, delta)) is not None: return out
     kernel, config = _launcher("dq", q.dtype, hd, T, config)
-    launch(kernel, (triton.cdiv(T, config["BLOCK_M"]), B * H),
+    launch(kernel, (cdiv(T, config["BLOCK_M"]), B * H),
         q, k, v, o, do, lse, delta, dq, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         *do.stride()[:3], *dq.stride()[:3], H, T, H // KV, sm_scale * LOG2_E, sm_scale,
         HEAD_DIM=hd, CAUSAL=causal, PRECISION=_precision(q.dtype), **config)
@@ -361,7 +361,7 @@ def flash_backward_dkdv(do, q, k, v, lse, delta, causal=True, dk=None, dv=None, 
         raise ValueError(f"flash_attention: dk and dv must share their strides, got {dk.stride()} and {dv.stride()}")
     if (out := _fast_path("dkdv", config, do, q, k, v, lse, delta, causal, dk, dv)) is not None: return out
     kernel, config = _launcher("dkdv", q.dtype, hd, T, config)
-    launch(kernel, (triton.cdiv(T, config["BLOCK_N"]), B * KV),
+    launch(kernel, (cdiv(T, config["BLOCK_N"]), B * KV),
         q, k, v, do, lse, delta, dk, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
         *dk.stride()[:3], H, KV, T, H // KV, sm_scale * LOG2_E, sm_scale,
         HEAD_DIM=hd, CAUSAL=causal, PRECISION=_precision(q.dtype), **config)

@@ -11,14 +11,13 @@ __all__ = ['LOG2E', 'LOADER_REGS', 'CONSUMER_REGS', 'FORWARD_TILES', 'DQ_TILES',
            'tile_balance', 'tile_table', 'section_heads', 'hopper_forward', 'hopper_dq', 'hopper_dkdv']
 
 # %% ../nbs/02a_attention_hopper.ipynb #d91c67b1
-import collections, functools, os
+import collections, functools, itertools, os
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from .kernels import INTERPRETING, launch
+from .kernels import INTERPRETING, cdiv, launch
 from .attention import FAST_PATHS
 
 # %% ../nbs/02a_attention_hopper.ipynb #96fe558b
@@ -694,11 +693,16 @@ CALLS = collections.Counter()        # launches that took the Hopper path, by ke
 
 def tma_refusal(t):
     "Why a (B, T, heads, hd) tensor cannot be read through a 2-D TMA descriptor over (B*T, heads*hd), or None."
-    B, T, heads, hd = t.shape
-    stride = t.stride()
+    why = _geometry_refusal(t.shape, t.stride(), t.element_size())
+    return why or ("rows are not 16-byte aligned" if t.data_ptr() % 16 else None)
+
+@functools.lru_cache(maxsize=1024)
+def _geometry_refusal(shape, stride, element_size):
+    "tma_refusal's checks of everything but the base, once per geometry."
+    B, T, heads, hd = shape
     if stride[3] != 1 or stride[2] != hd: return f"a row's heads are not contiguous (strides {stride})"
     if B > 1 and stride[0] != T * stride[1]: return f"batch stride {stride[0]} is not T x the row stride {stride[1]}"
-    if (stride[1] * t.element_size()) % 16 or t.data_ptr() % 16: return "rows are not 16-byte aligned"
+    if (stride[1] * element_size) % 16: return "rows are not 16-byte aligned"
     return None
 
 def hopper_refusal(q, k, v, causal=True):
@@ -803,13 +807,16 @@ def _better_table(n_pairs, heads, whole, width, widest, programs, device):
 @functools.lru_cache
 def _block_layout(rows, hd): return gl.NVMMASharedLayout.get_default_for([rows, hd], gl.bfloat16)
 
+_GEOMETRY_NUMBERS = itertools.count()
+
 @functools.lru_cache(maxsize=256)
 def _descriptor_fields(dtype, shape, strides, block, layout):
     """The fields of a TMA descriptor of this geometry but its base, checked once by TensorDescriptor against an empty
-    tensor of the dtype (the check that depends on the base, its 16-byte alignment, is the callers')."""
+    tensor of the dtype (the check that depends on the base, its 16-byte alignment, is the callers'), and `launch_key`:
+    a number of this geometry's own, which `kernels.launch` keys the descriptor by instead of hashing its fields."""
     fields = dict(vars(TensorDescriptor(torch.empty(0, dtype=dtype), list(shape), list(strides), list(block), layout)))
     del fields["base"]
-    return fields
+    return dict(fields, launch_key=next(_GEOMETRY_NUMBERS))
 
 def _with_base(t, fields):
     "A TensorDescriptor of the checked `fields` with `t` as its base, without the checks it runs on every construction."
@@ -819,14 +826,22 @@ def _with_base(t, fields):
 
 def _descriptor(t, rows):
     "2-D TMA descriptor over (B*T, heads*hd) of a (B, T, heads, hd) bf16 tensor, in blocks of (rows, hd)."
-    B, T, heads, hd = t.shape
-    return _with_base(t, _descriptor_fields(t.dtype, (B * T, heads * hd), (t.stride(1), 1), (rows, hd), _block_layout(rows, hd)))
+    return _with_base(t, _block_fields(t.dtype, t.shape, t.stride(1), rows))
+
+@functools.lru_cache(maxsize=256)
+def _block_fields(dtype, shape, row_stride, rows):
+    "_descriptor's fields, looked up by the tensor's shape and row stride (hashing the layout each call costs more)."
+    B, T, heads, hd = shape
+    return _descriptor_fields(dtype, (B * T, heads * hd), (row_stride, 1), (rows, hd), _block_layout(rows, hd))
 
 _ROWS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)   # lse, δ blocks: plain fp32
 
 def _rows_descriptor(t, block):
     "1-D TMA descriptor over a contiguous, 16-byte aligned fp32 tensor (lse, δ) flattened, in blocks of `block` values."
-    return _with_base(t, _descriptor_fields(t.dtype, (t.numel(),), (1,), (block,), _ROWS_LAYOUT))
+    return _with_base(t, _rows_fields(t.dtype, t.numel(), block))
+
+@functools.lru_cache(maxsize=256)
+def _rows_fields(dtype, n, block): return _descriptor_fields(dtype, (n,), (1,), (block,), _ROWS_LAYOUT)
 
 @functools.lru_cache(maxsize=16)
 def _unread_rows(device, block):
@@ -840,7 +855,7 @@ def hopper_forward(q, k, v, o=None, lse=None, tiles=None):
     block_m, block_n, stages = tiles or FORWARD_TILES[hd]
     o = torch.empty(B, T, H, hd, dtype=q.dtype, device=q.device) if o is None else o
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device) if lse is None else lse
-    n_pairs = triton.cdiv(T, 2 * block_m)
+    n_pairs = cdiv(T, 2 * block_m)
     programs = min(n_pairs * B * H, _sm_count(q.device.index))
     width, table = _plan("forward", B, T, H, k.shape[2], hd, n_pairs, programs, q.device)
     launch(hopper_forward_kernel, (programs,),
@@ -858,7 +873,7 @@ def hopper_dq(do, q, k, v, o, lse, dq=None, delta=None, tiles=None):
     block_m, block_n, stages = tiles or DQ_TILES[hd]
     dq = torch.empty(B, T, H, hd, dtype=q.dtype, device=q.device) if dq is None else dq
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device) if delta is None else delta
-    n_pairs = triton.cdiv(T, 2 * block_m)
+    n_pairs = cdiv(T, 2 * block_m)
     programs = min(n_pairs * B * H, _sm_count(q.device.index))
     width, table = _plan("dq", B, T, H, k.shape[2], hd, n_pairs, programs, q.device)
     launch(hopper_dq_kernel, (programs,),
@@ -882,7 +897,7 @@ def hopper_dkdv(do, q, k, v, lse, delta, dk=None, dv=None, tiles=None):
             else (_unread_rows(q.device, block_m),) * 2)
     dk = torch.empty(B, T, KV, hd, dtype=q.dtype, device=q.device) if dk is None else dk
     dv = torch.empty_like(dk) if dv is None else dv
-    n_pairs = triton.cdiv(T, 2 * block_n)
+    n_pairs = cdiv(T, 2 * block_n)
     programs = min(n_pairs * B * KV, _sm_count(q.device.index))
     width, table = _plan("dkdv", B, T, H, KV, hd, n_pairs, programs, q.device)
     launch(hopper_dkdv_kernel, (programs,),

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from .kernels import (INTERPRETING, KERNELS_CAN_RUN, launch, register_op, at_least_fp32, weight_grad_buffer, finish_weight_grad,
+from .kernels import (INTERPRETING, KERNELS_CAN_RUN, cdiv, launch, register_op, at_least_fp32, weight_grad_buffer, finish_weight_grad,
                               median_ms, peak_bytes, save_results, load_results, show_results, knob_values)
 
 # %% ../nbs/01a_matmul.ipynb #0bd04b24
@@ -102,10 +102,10 @@ def triton_matmul(a, b, out=None, accumulate=False, out_dtype=None):
     args = (a, b, out, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1))
     if INTERPRETING:
         cfg = INTERPRETER_GEMM_CONFIG
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+        grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
         matmul_kernel[grid](*args, ACCUMULATE=accumulate, **cfg)
     else:
-        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+        grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)
         matmul_kernel_autotuned[grid](*args, ACCUMULATE=accumulate)
     return out
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from . import matmul  # noqa: F401 (registers the "linear" op that the shared expert runs)
-from .kernels import (INTERPRETING, KERNELS_CAN_RUN, launch, register_op, get_op, resolve_impl, at_least_fp32, swiglu_reference,
+from .kernels import (INTERPRETING, KERNELS_CAN_RUN, cdiv, launch, register_op, get_op, resolve_impl, at_least_fp32, swiglu_reference,
                               swiglu_forward, SWIGLU_BLOCK, SWIGLU_NUM_WARPS, weight_grad_buffer, finish_weight_grad, start_gradient_step,
                               gradient_fp32, median_ms, sustained_ms, peak_bytes, alternation, ratio_interval, save_results, knob_values,
                               _program_count)
@@ -240,8 +240,8 @@ def grouped_gemm_triton(rows, weight, group_starts, group_ends, block_m=None, ou
     out = torch.empty(R, N, dtype=rows.dtype, device=rows.device) if out is None else out
     starts, ends = group_starts.to(torch.int32), group_ends.to(torch.int32)
     tile_offsets = _tile_offsets(starts, ends, block_m)
-    max_m_tiles = triton.cdiv(R, block_m) + G
-    grid = lambda meta: (max_m_tiles * triton.cdiv(N, meta["BLOCK_N"]),)
+    max_m_tiles = cdiv(R, block_m) + G
+    grid = lambda meta: (max_m_tiles * cdiv(N, meta["BLOCK_N"]),)
     grouped_gemm_kernel[grid](rows, weight, out, starts, ends, tile_offsets, N, K, max_m_tiles,
                               rows.stride(0), rows.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
                               out.stride(0), out.stride(1),
@@ -254,7 +254,7 @@ def pointer_weight_grad_triton(rows, grad_out, group_starts, group_ends, out, ac
     if not KERNELS_CAN_RUN: raise RuntimeError("pointer_weight_grad_triton: needs a CUDA GPU or TRITON_INTERPRET=1")
     starts, ends = group_starts.to(torch.int32), group_ends.to(torch.int32)
     G, K, N = out.shape
-    grid = lambda meta: (triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"]), G)
+    grid = lambda meta: (cdiv(K, meta["BLOCK_K"]) * cdiv(N, meta["BLOCK_N"]), G)
     grouped_gemm_weight_grad_kernel[grid](rows, grad_out, out, starts, ends, K, N,
                                           rows.stride(0), rows.stride(1), grad_out.stride(0), grad_out.stride(1),
                                           out.stride(0), out.stride(1), out.stride(2),
@@ -341,7 +341,7 @@ def tma_weight_grad_triton(rows, grad_out, group_starts, group_ends, out, accumu
                          f"{group_starts.dtype} {tuple(group_starts.shape)} and {group_ends.dtype} {tuple(group_ends.shape)}")
     cfg = dict(TMA_WGRAD_LAUNCH)
     bk, bn, br = cfg.pop("BLOCK_K"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_R")
-    tiles = G * triton.cdiv(K, bk) * triton.cdiv(N, bn)
+    tiles = G * cdiv(K, bk) * cdiv(N, bn)
     programs = _program_count(tiles, 1, rows.device)      # one per SM (4 on a CPU, so the loop runs in CI)
     launch(tma_weight_grad_kernel, (programs,),
         TensorDescriptor.from_tensor(rows, [br, bk]), TensorDescriptor.from_tensor(grad_out, [br, bn]), out,
@@ -431,7 +431,7 @@ def combine_rows_triton(src, assignment_rows, weights=None, out_dtype=None, rout
         dlogits = router = src                      # not read (E = 0)
         E = 0
     block_t, block_d = COMBINE_ROUTER_TILE if E else (1, min(ROW_BLOCK, triton.next_power_of_2(D)))
-    launch(combine_rows_kernel, (triton.cdiv(N, block_t), triton.cdiv(D, block_d)),
+    launch(combine_rows_kernel, (cdiv(N, block_t), cdiv(D, block_d)),
         src, assignment_rows, weights if weights is not None else src, dlogits, router, out, N, D,
         TOP_K=top_k, HAS_WEIGHTS=weights is not None, E=E, BLOCK_T=block_t, BLOCK_D=block_d)
     return out
@@ -598,11 +598,11 @@ def _route_kernel(x, router, out, experts, weights, top_k):
     (N, D), E = x.shape, router.shape[1]
     if E <= ROUTER_ROWDOT_MAX_E:
         NC, G, R, warps = ROUTER_ROWDOT
-        launch(router_rowdot_kernel, (triton.cdiv(N, G * R),), x, router.t().contiguous(), out, experts, weights, N, D, E=E,
+        launch(router_rowdot_kernel, (cdiv(N, G * R),), x, router.t().contiguous(), out, experts, weights, N, D, E=E,
                                                        E_PAD=max(2, triton.next_power_of_2(E)), TOP_K=top_k, NC=NC, G=G,
                                                        R=R, EVEN=N % (G * R) == 0 and D % (NC * 4) == 0, num_warps=warps)
     else:
-        launch(router_logits_kernel, (triton.cdiv(N, ROUTER_BLOCK_ROWS),), x, router, out, experts, weights, N, D, E,
+        launch(router_logits_kernel, (cdiv(N, ROUTER_BLOCK_ROWS),), x, router, out, experts, weights, N, D, E,
                                                                     BLOCK_ROWS=ROUTER_BLOCK_ROWS, BLOCK_COLS=ROUTER_BLOCK_COLS,
                                                                     E_PAD=_router_e_pad(E), TOP_K=top_k)
 
@@ -640,7 +640,7 @@ def router_backward_triton(grad_weights, top_weights, top_experts, probs, grad_p
         raise ValueError(f"router_backward_triton: needs fp32 probs and top_weights and grad_probs of shape ({N}, {E}), got "
                          f"{probs.dtype}, {top_weights.dtype} and {tuple(grad_probs.shape)}")
     grad_logits = torch.empty(N, E, dtype=torch.float32, device=probs.device)
-    launch(router_backward_kernel, (triton.cdiv(N, ROUTER_BLOCK_ROWS),),
+    launch(router_backward_kernel, (cdiv(N, ROUTER_BLOCK_ROWS),),
         grad_weights.float().contiguous(), top_weights.contiguous(), top_experts.contiguous(), probs.contiguous(), grad_probs,
         grad_probs.stride(0), grad_probs.stride(1), grad_logits, N, E, TOP_K=top_k, BLOCK_ROWS=ROUTER_BLOCK_ROWS,
         E_PAD=triton.next_power_of_2(E))
@@ -652,9 +652,9 @@ def router_weight_grad_triton(x, grad_logits, router):
     if not _router_kernels_apply(x, router): return x.to(router.dtype).T @ grad_logits.to(router.dtype)
     x, g = x.contiguous(), grad_logits.float().contiguous()
     (N, D), E = x.shape, router.shape[1]
-    chunks = triton.cdiv(N, ROUTER_CHUNK_ROWS)
+    chunks = cdiv(N, ROUTER_CHUNK_ROWS)
     partial = torch.empty(chunks, D, _router_e_pad(E), dtype=torch.float32, device=x.device)
-    launch(router_grad_w_kernel, (triton.cdiv(D, ROUTER_BLOCK_COLS), chunks),
+    launch(router_grad_w_kernel, (cdiv(D, ROUTER_BLOCK_COLS), chunks),
         x, g, partial, N, D, E, CHUNK_ROWS=ROUTER_CHUNK_ROWS, BLOCK_ROWS=ROUTER_BLOCK_ROWS, BLOCK_COLS=ROUTER_BLOCK_COLS,
         E_PAD=_router_e_pad(E))
     return partial.sum(0)[:, :E]                       # the chunks' partials in a fixed order: deterministic

@@ -11,12 +11,11 @@ __all__ = ['GEMM_CONFIG', 'LOADER_REGS', 'CONSUMER_REGS', 'ENABLED', 'CALLS', 'g
 # %% ../nbs/03a_moe_hopper.ipynb #18817efd
 import collections, os
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from .kernels import INTERPRETING, launch
+from .kernels import INTERPRETING, cdiv, launch
 from .moe import FAST_PATHS
 from .attention_hopper import _block_layout, _is_sm90, _sm_count   # 02a's device facts and tile layouts, cached
 
@@ -236,7 +235,7 @@ def _launch(rows, weight, config, swiglu, out, groups=None):
         starts = ends = rows                                                  # not read
     else:                                                                     # tiles counted on the device
         tiles_m, (starts, ends) = 0, groups
-        n_tiles = (triton.cdiv(R, block_m) + E) * tiles_n                    # at most: sizes the grid only
+        n_tiles = (cdiv(R, block_m) + E) * tiles_n                           # at most: sizes the grid only
     out_cols = block_n // 2 if swiglu else block_n                           # swiglu: gate and up leave as separate blocks
     b_desc = (_desc(weight.transpose(1, 2).reshape(E * N, K), block_n, block_k) if trans_b
               else _desc(weight.reshape(E * K, N), block_k, out_cols))

@@ -899,10 +899,17 @@ def _profile_report(args):
     meta = machine_metadata()
     meta["gpu"] = meta.pop("device")         # the report's `device` stays the torch device ("cuda", "cpu") the rest reads
     report.update(config=args.config, batch_size=trainer.cfg.batch_size, seq_len=trainer.cfg.seq_len, impl=trainer.model.impl, **meta)
-    if report["device"].startswith("cuda"):  # the roofline's ceilings, measured on this GPU once the step's memory is free
-        del trainer; torch.cuda.empty_cache()
-        report["ceilings"] = measure_ceilings(report["device"])
     return report
+
+def _measured_ceilings(device):
+    """measure_ceilings on `device` once the profiled step's memory is free; None, with one line on stderr, where that runs
+    out of memory (the roofline then takes H200_CEILINGS and the profile is kept)."""
+    torch.cuda.empty_cache()
+    try: return measure_ceilings(device)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        print("profile: measuring this GPU's ceilings ran out of memory; the roofline takes the H200's", file=sys.stderr)
+        return None
 
 def run_profile(args):
     "`rtrainer profile`"
@@ -921,6 +928,7 @@ def run_profile(args):
             base = json.loads(r.stdout.strip().splitlines()[-1])
             base["commit"] = tree.commit
     report = _profile_report(args)
+    if report["device"].startswith("cuda"): report["ceilings"] = _measured_ceilings(report["device"])   # once, not in a baseline
     print(profile_table(report, args.top))
     out = Path(args.out or f"runs/profile-{args.config}.json")
     out.parent.mkdir(parents=True, exist_ok=True); out.write_text(json.dumps(report, indent=1))
@@ -928,13 +936,14 @@ def run_profile(args):
     print(f"report: {out}, chart: {chart}")
     if report["device"].startswith("cuda"):
         roofline = roofline_report(model_config(args.config, vocab_size=args.vocab_size), report["batch_size"], report["seq_len"], report)
-        ceilings = report["ceilings"]
-        print(f"\nroofline at this GPU's ceilings ({ceilings['gemm_tflops']:.0f} TFLOP/s bf16 matmul, "
+        ceilings = roofline["ceilings"]
+        where = "this GPU's" if report["ceilings"] else "the H200's (not measured here)"
+        print(f"\nroofline at {where} ceilings ({ceilings['gemm_tflops']:.0f} TFLOP/s bf16 matmul, "
               f"{ceilings['copy_GBps'] / 1e3:.2f} TB/s copy):\n{roofline_table(roofline)}")
         rows = [dict(name=f"[phase] {k}", ms=v) for k, v in report["phases_ms"].items()] + report["rows"] + [
             dict(name="all kernels", ms=report["kernel_sum_ms"]), dict(name="unattributed", ms=report["unattributed_ms"]),
             dict(name="full step", ms=report["full_step_ms"])]
-        print(f"recorded: {save_results(f'profile_{args.config}', rows, batch_size=report['batch_size'], seq_len=report['seq_len'], config=args.config, method=report['method'], full_step_without_profiler_ms=report['unprofiled_step_ms'], device_idle_ms=report['device_idle_ms'], largest_gaps=report['largest_gaps'], ceilings=ceilings, roofline=roofline)}")
+        print(f"recorded: {save_results(f'profile_{args.config}', rows, batch_size=report['batch_size'], seq_len=report['seq_len'], config=args.config, method=report['method'], full_step_without_profiler_ms=report['unprofiled_step_ms'], device_idle_ms=report['device_idle_ms'], largest_gaps=report['largest_gaps'], ceilings=report['ceilings'], roofline=roofline)}")
     if base:
         print(f"full step: baseline {args.baseline_ref} ({base['commit'][:10]}) {base['full_step_ms']:.3f} ms, "
               f"this tree {report['full_step_ms']:.3f} ms ({report['full_step_ms'] / base['full_step_ms']:.3f}x)")
@@ -973,25 +982,19 @@ def run_sweep_arch(args):
     return 0 if res.get("tokens_per_s") else 1
 
 # %% ../nbs/07_profiling.ipynb #7fbcbc87
-from .kernels import COPY_CEILING_GBPS, load_results    # the copy ceiling; recorded profiles
+from .kernels import COPY_CEILING_GBPS, load_results, median_ms    # the copy ceiling; recorded profiles; the protocol's timing
 
 GEMM_CEILING_TFLOPS = 790.0   # bf16 8192^3 matmul on the H200 (nbs/measuring.ipynb); best model-shape GEMM in data/results/gemm.json: 778
 H200_CEILINGS = dict(gemm_tflops=GEMM_CEILING_TFLOPS, copy_GBps=COPY_CEILING_GBPS, source="the measuring protocol's, on an H200")
 ROOFLINE_FAMILIES = ("GEMM", "attention", "norms and pointwise", "MoE routing", "optimizer", "other")
 
-def measure_ceilings(device="cuda", reps=10):
+def measure_ceilings(device="cuda"):
     """This GPU's two ceilings as the measuring protocol takes them: a bf16 matmul of 8192^3 on random data (TFLOP/s) and a
-    1 GiB device-to-device copy (GB/s, bytes read + written), each the mean of `reps` calls after three warm-ups."""
+    1 GiB device-to-device copy (GB/s, bytes read + written), each timed by `kernels.median_ms`."""
     a, b, out = (torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) for _ in range(3))
     src = torch.rand(2**29, device=device, dtype=torch.bfloat16); dst = torch.empty_like(src)
-    def mean_ms(fn):
-        for _ in range(3): fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps): fn()
-        end.record(); end.synchronize()
-        return start.elapsed_time(end) / reps
-    gemm_ms, copy_ms = mean_ms(lambda: torch.mm(a, b, out=out)), mean_ms(lambda: dst.copy_(src))
+    with torch.cuda.device(a.device):
+        gemm_ms, copy_ms = median_ms(lambda: torch.mm(a, b, out=out)), median_ms(lambda: dst.copy_(src))
     return dict(gemm_tflops=round(2 * 8192**3 / gemm_ms / 1e9, 1), copy_GBps=round(2 * src.nbytes / copy_ms / 1e6, 1),
                 source=f"measure_ceilings on {torch.cuda.get_device_name(device)}")
 

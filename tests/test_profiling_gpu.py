@@ -21,7 +21,7 @@ def test_profile_attributes_kernels_to_phases(impl):
 
 def test_measure_ceilings_reads_this_gpu():
     "The two ceilings land between a tenth of and the datasheet (dense bf16 under 1000 TFLOP/s, HBM under 5 TB/s read + written)."
-    ceilings = measure_ceilings(reps=3)
+    ceilings = measure_ceilings()
     print(ceilings)
     assert 100 < ceilings["gemm_tflops"] < 1000 and 500 < ceilings["copy_GBps"] < 10_000, ceilings
     assert torch.cuda.get_device_name() in ceilings["source"]

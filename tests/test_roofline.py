@@ -2,6 +2,7 @@
 import json
 from pathlib import Path
 import pytest
+import torch
 from rtrainer.attention import attention_flops
 from rtrainer.kernels import load_results, COPY_CEILING_GBPS
 from rtrainer.model import model_config, flops_per_token, REFERENCE_BATCH, TransformerLm
@@ -151,20 +152,38 @@ def test_recorded_roofline_matches_the_code():
         else: assert row["note"] == "not profiled on the GPU yet"
     json.dumps(recorded)
 
-def test_profile_command_records_the_roofline(tmp_path, monkeypatch):
-    "On a GPU `rtrainer profile` records the roofline report, at the ceilings it measured, beside the rows (the GPU's report faked from a CPU one)."
+def _fake_gpu_profile(tmp_path, monkeypatch, measure):
+    """Run `rtrainer profile` as on a GPU: the GPU's report faked from a CPU one, `measure` standing in for measure_ceilings;
+    returns (report, what save_results was given)."""
     import rtrainer.profiling as profiling
     from rtrainer.cli import main
     trainer = profile_trainer("tiny", batch_size=2, seq_len=16, vocab_size=512)
-    ceilings = dict(gemm_tflops=500.0, copy_GBps=3000.0, source="made up")
-    report = dict(profile_step(trainer), device="cuda", device_idle_ms=0.5, largest_gaps=[], config="tiny", batch_size=2, seq_len=16,
-                  ceilings=ceilings)
+    report = dict(profile_step(trainer), device="cuda", device_idle_ms=0.5, largest_gaps=[], config="tiny", batch_size=2, seq_len=16)
     saved = {}
     monkeypatch.setattr(profiling, "_profile_report", lambda args: report)
-    monkeypatch.setattr(profiling, "save_results", lambda name, rows, **extra: saved.update(extra, name=name) or tmp_path / name)
+    monkeypatch.setattr(profiling, "measure_ceilings", measure)
+    monkeypatch.setattr(profiling, "save_results", lambda name, rows, **extra: saved.update(extra, name=name, rows=rows) or tmp_path / name)
     assert main(["profile", "--config", "tiny", "--vocab-size", "512", "--out", str(tmp_path / "p.json")]) == 0
+    return report, saved
+
+def test_profile_command_records_the_roofline(tmp_path, monkeypatch):
+    "On a GPU `rtrainer profile` records the roofline report, at the ceilings it measured once, beside the rows."
+    ceilings = dict(gemm_tflops=500.0, copy_GBps=3000.0, source="made up")
+    calls = []
+    report, saved = _fake_gpu_profile(tmp_path, monkeypatch, lambda device: calls.append(device) or ceilings)
+    assert calls == ["cuda"] and json.loads((tmp_path / "p.json").read_text())["ceilings"] == ceilings
     roofline = saved["roofline"]
     assert saved["name"] == "profile_tiny" and roofline["measured"]["launch_gaps_ms"] == 0.5
     assert saved["ceilings"] == roofline["ceilings"] == ceilings
     assert roofline["floor_ms"] == pytest.approx(roofline_report(model_config("tiny", vocab_size=512), 2, 16, ceilings=ceilings)["floor_ms"])
     assert roofline["floor_ms"] > roofline_report(model_config("tiny", vocab_size=512), 2, 16)["floor_ms"]   # slower than the H200's
+
+def test_profile_keeps_the_profile_when_the_ceilings_run_out_of_memory(tmp_path, monkeypatch, capsys):
+    "Out of memory while measuring the ceilings: one line on stderr, the rows recorded, the roofline at the H200's ceilings."
+    def out_of_memory(device): raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+    report, saved = _fake_gpu_profile(tmp_path, monkeypatch, out_of_memory)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ran out of memory" in err[0], err
+    assert saved["ceilings"] is None and saved["roofline"]["ceilings"] == H200_CEILINGS
+    assert json.loads((tmp_path / "p.json").read_text())["ceilings"] is None
+    assert any(r["name"] == "full step" for r in saved["rows"]) and len(saved["rows"]) > 3
