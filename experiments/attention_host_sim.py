@@ -10,7 +10,7 @@ times the rtrainer beside it, the step and its parts.
 
 Run: `python experiments/attention_host_sim.py [--profile]` with Triton 3.6 on the path (the GPU machine's; the
 Gluon descriptors of other versions check other things). Prints host microseconds a step and a call, the median of
-5 batches; `--profile` adds a cProfile of the `dense1b` step. Small shapes: the Python path does not depend on them.
+5 batches; `--profile` adds a cProfile of the `dense1b` step (sorted by SORT, tottime by default, its TOP rows, 20). Small shapes: the Python path does not depend on them.
 
 This is an experiment, not part of rtrainer."""
 import cProfile, inspect, io, os, pstats, statistics, sys, time
@@ -84,7 +84,7 @@ def main():
             profile = cProfile.Profile(); profile.enable()
             for _ in range(2000): step()
             profile.disable()
-            text = io.StringIO(); pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(20)
+            text = io.StringIO(); pstats.Stats(profile, stream=text).sort_stats(os.environ.get("SORT", "tottime")).print_stats(int(os.environ.get("TOP", 20)))
             print(text.getvalue())
 
 if __name__ == "__main__":

@@ -472,8 +472,10 @@ def _arg_key(a):
     raise _NoKey
 
 def launch_key(kernel, device, args, kwargs):
-    "The cache key of `kernel[grid](*args, **kwargs)` on `device`: the kernel, the device, every argument's key; None if one has none."
-    try: return kernel, device, tuple(map(_arg_key, args)), tuple(kwargs.items())
+    """The cache key of `kernel[grid](*args, **kwargs)` on `device`: the kernel's id (a direct entry holds its kernel, so
+    no other kernel takes that id while it lives; hashing a JITFunction runs Python), the device, every argument's key
+    (an int as itself: nothing else keys as an int), the keywords; None if an argument has no key."""
+    try: return id(kernel), device, tuple([a if type(a) is int else _arg_key(a) for a in args]), tuple(kwargs.items())
     except _NoKey: return None
 
 def _constant_tail(kernel, n_args, kwargs):
@@ -505,9 +507,9 @@ def launch(kernel, grid, *args, **kwargs):
             tail = _constant_tail(kernel, len(args), kwargs)                         # once per key: inspect is slow
             if len(_LAUNCHES) >= LAUNCH_CACHE_LIMIT: _LAUNCHES.clear()
             _LAUNCHES[key] = _BOUND if tail is None else (compiled.run, compiled.function, compiled.packed_metadata, tail,
-                              triton.runtime.driver.active.get_current_stream)          # as Triton's launch finds the stream
+                              triton.runtime.driver.active.get_current_stream, kernel)  # as Triton's launch finds the stream
         return
-    run, function, metadata, tail, stream = entry
+    run, function, metadata, tail, stream, _ = entry
     g = (*grid, 1, 1)
     run(g[0], g[1], g[2], stream(device), function, metadata, None, None, None, *args, *tail)   # no launch hooks: checked above
     LAUNCH_COUNTS["direct"] += 1
