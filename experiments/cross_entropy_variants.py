@@ -14,6 +14,8 @@ Variants, each checked against float64 (loss per row and gradient, with ignored 
 - `one read wW`: the whole padded row in registers (BLOCK_V = the next power of two of the padded vocabulary), read
   once, W warps a program. Compiled for sm_90 (`sm90_compile.py`, Triton 3.6): no spills at 32,768 columns with 32
   warps; 476 spilled bytes at 65,536 (`prof183m`'s 50,432 padded) with 32 warps, 2,922 with 16.
+- `one read, 4 tiles wW`: the row as four power-of-two tiles that sum to the padded vocabulary or just above (36
+  spilled bytes at `prof183m` with 32 warps, none at `rb100m`).
 
 `python experiments/cross_entropy_variants.py` on a GPU (ROUNDS, default 5, alternated, median_ms per call); on a
 CPU with TRITON_INTERPRET=1 it runs the checks at small shapes and skips the timing. Writes
@@ -76,6 +78,45 @@ def ce_rows_one_read_kernel(logits_ptr, targets_ptr, row_loss_ptr, inv_count_ptr
     grad = tl.exp(z.to(tl.float32) - lse) - tl.where(cols == target, 1.0, 0.0)
     tl.store(base + cols, (grad * scale).to(logits_ptr.dtype.element_ty), mask=cols < padded_vocab_size)
 
+@triton.jit
+def ce_rows_tiles_kernel(logits_ptr, targets_ptr, row_loss_ptr, inv_count_ptr, stride_row, vocab_size, padded_vocab_size,
+                         ignore_index, B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr):
+    """The one-read kernel with the row held as four tiles of B0..B3 columns (powers of two, summing to at least the
+    padded vocabulary), so a row of 50,432 columns takes 51,200 values instead of 65,536."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_row
+    target = tl.load(targets_ptr + row)
+    valid = target != ignore_index
+    c0 = tl.arange(0, B0)
+    c1 = B0 + tl.arange(0, B1)
+    c2 = B0 + B1 + tl.arange(0, B2)
+    c3 = B0 + B1 + B2 + tl.arange(0, B3)
+    z0 = tl.load(base + c0, mask=c0 < vocab_size, other=float("-inf"))
+    z1 = tl.load(base + c1, mask=c1 < vocab_size, other=float("-inf"))
+    z2 = tl.load(base + c2, mask=c2 < vocab_size, other=float("-inf"))
+    z3 = tl.load(base + c3, mask=c3 < vocab_size, other=float("-inf"))
+    m = tl.maximum(tl.maximum(tl.max(z0, 0), tl.max(z1, 0)), tl.maximum(tl.max(z2, 0), tl.max(z3, 0))).to(tl.float32)
+    total = (tl.sum(tl.exp(z0.to(tl.float32) - m), 0) + tl.sum(tl.exp(z1.to(tl.float32) - m), 0)
+             + tl.sum(tl.exp(z2.to(tl.float32) - m), 0) + tl.sum(tl.exp(z3.to(tl.float32) - m), 0))
+    lse = m + tl.log(total)
+    target_logit = tl.load(base + tl.where(valid, target, 0)).to(tl.float32)            # just read: from L1 or L2
+    tl.store(row_loss_ptr + row, tl.where(valid, lse - target_logit, 0.0))
+    scale = tl.where(valid, tl.load(inv_count_ptr), 0.0)
+    out = logits_ptr.dtype.element_ty
+    tl.store(base + c0, ((tl.exp(z0.to(tl.float32) - lse) - tl.where(c0 == target, 1.0, 0.0)) * scale).to(out), mask=c0 < padded_vocab_size)
+    tl.store(base + c1, ((tl.exp(z1.to(tl.float32) - lse) - tl.where(c1 == target, 1.0, 0.0)) * scale).to(out), mask=c1 < padded_vocab_size)
+    tl.store(base + c2, ((tl.exp(z2.to(tl.float32) - lse) - tl.where(c2 == target, 1.0, 0.0)) * scale).to(out), mask=c2 < padded_vocab_size)
+    tl.store(base + c3, ((tl.exp(z3.to(tl.float32) - lse) - tl.where(c3 == target, 1.0, 0.0)) * scale).to(out), mask=c3 < padded_vocab_size)
+
+def four_tiles(n):
+    "Four powers of two, largest first, whose sum is the least such sum of at least n (for ce_rows_tiles_kernel)."
+    tiles, left = [], n
+    for i in range(4):
+        if i == 3: tiles.append(triton.next_power_of_2(max(left, 1))); break
+        t = 1 << max(left.bit_length() - 1, 0) if left > 0 else 1                    # the largest power of two in what is left
+        tiles.append(t); left -= t
+    return tuple(sorted(tiles, reverse=True))
+
 def _sms(): return torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 4
 
 def variants():
@@ -98,8 +139,15 @@ def variants():
         out[f"persistent {per_sm}/SM {block} w{warps}"] = persistent(per_sm, block, warps)
     out["persistent 2/SM 8192 w8 L2 hints"] = persistent(2, 8192, 8, "evict_last", "evict_first")
     out["per row 2048 w8 L2 hints"] = persistent(1 << 20, 2048, 8, "evict_last", "evict_first")   # a program per row, as the package
+    def tiles(warps):
+        def run(logits, targets, row_loss, inv_count, V):
+            b = four_tiles(logits.shape[1])
+            ce_rows_tiles_kernel[(logits.shape[0],)](logits, targets, row_loss, inv_count, logits.stride(0), V, logits.shape[1],
+                                                     IGNORE, B0=b[0], B1=b[1], B2=b[2], B3=b[3], num_warps=warps)
+        return run
     for warps in (16, 32):
         out[f"one read w{warps}"] = one_read(warps)
+        out[f"one read, 4 tiles w{warps}"] = tiles(warps)
     return out
 
 def inputs(rows, V, VP, device, seed=0):
