@@ -1,8 +1,8 @@
 "Profiling chapter on the GPU (run with -m cuda): kernel attribution of a real step, and one cheap versus round."
-import math
+import json, math
 import pytest
 import torch
-from rtrainer.profiling import PHASES, profile_trainer, profile_step, versus, run_arm, measure_ceilings
+from rtrainer.profiling import PHASES, profile_trainer, profile_step, versus, run_arm
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -19,12 +19,20 @@ def test_profile_attributes_kernels_to_phases(impl):
     other = sum(r["ms"] for r in report["rows"] if r["name"].startswith("other."))
     assert other < 0.2 * report["kernel_sum_ms"], f"{other:.3f} ms of kernels outside every phase"
 
-def test_measure_ceilings_reads_this_gpu():
-    "The two ceilings land between a tenth of and the datasheet (dense bf16 under 1000 TFLOP/s, HBM under 5 TB/s read + written)."
-    ceilings = measure_ceilings()
-    print(ceilings)
+def test_profile_command_measures_this_gpu(tmp_path, monkeypatch):
+    """`rtrainer profile` end to end: the report and the record carry the ceilings measure_ceilings read on this GPU,
+    between a tenth of and the datasheet (dense bf16 under 1000 TFLOP/s, HBM under 5 TB/s read + written), and the
+    roofline at them lies under the measured step."""
+    import rtrainer.profiling as profiling
+    from rtrainer.cli import main
+    saved = {}
+    monkeypatch.setattr(profiling, "save_results", lambda name, rows, **extra: saved.update(extra, name=name) or tmp_path / name)
+    assert main(["profile", "--config", "tiny", "--batch-size", "8", "--seq-len", "128", "--out", str(tmp_path / "p.json")]) == 0
+    ceilings = json.loads((tmp_path / "p.json").read_text())["ceilings"]
+    print(ceilings, saved["roofline"]["floor_ms"], saved["roofline"]["measured"])
     assert 100 < ceilings["gemm_tflops"] < 1000 and 500 < ceilings["copy_GBps"] < 10_000, ceilings
-    assert torch.cuda.get_device_name() in ceilings["source"]
+    assert torch.cuda.get_device_name() in ceilings["source"] and saved["ceilings"] == saved["roofline"]["ceilings"] == ceilings
+    assert 0 < saved["roofline"]["floor_ms"] < saved["roofline"]["measured"]["step_ms"]
 
 def test_baseline_arms_run_and_record_graphs():
     spec = dict(config="tiny", batch_size=8, seq_len=128, warmup=3, steps=3)
