@@ -460,7 +460,7 @@ _BOUND = "bound"          # cached for a key whose launch cannot go direct (a ke
 def _arg_key(a):
     "What of a kernel argument a compiled launch may depend on, or more; raises _NoKey for a type it does not know."
     t = type(a)
-    if t is int or t is float or t is bool or a is None: return t, a               # most arguments; type keeps True apart from 1
+    if t is float or t is bool or a is None: return t, a                           # type keeps True and 1.0 apart from 1
     if isinstance(a, torch.Tensor): return a.dtype, a.data_ptr() % 16 == 0
     if isinstance(a, (bool, int, float, str)): return t, a
     number = getattr(a, "launch_key", None)
