@@ -11,8 +11,11 @@ group, the plain or the transposed weight) with a consumer whose epilogue also w
 bf16 logits it stores (so they match what the kernel reads). Arms, on one 4096-row chunk of `rb100m` (tied head: the
 (V, D) table, transposed) and `prof183m` (untied: (D, V)):
 - `cuBLAS + 3 passes`: the package as it ships (`matmul.gemm`, then `cross_entropy_rows`);
-- `Gluon + partials + 2 passes`: the GEMM with the partials' epilogue, then the one-read kernel below;
-- and each part alone: cuBLAS, the Gluon GEMM without partials, with them, the 3-pass and the 2-pass kernels.
+- `Gluon + smem partials + 2 passes`: the GEMM whose epilogue reads the stored bf16 tile back from shared memory in
+  64-column chunks for the partials, then the one-read kernel below;
+- `Gluon + reg partials + 2 passes`: the partials from the bf16 tile still in registers, all 256 columns at once;
+- `Gluon + 3 passes`: the Gluon GEMM in cuBLAS's place, nothing else changed;
+- and each part alone: cuBLAS, the Gluon GEMM with each epilogue, the 3-pass and the 2-pass kernels.
 Everything is checked against float64 (logits, loss rows, gradient) before it is timed.
 
 `python experiments/ce_lse_epilogue.py` on an H100/H200 (ROUNDS, default 5, arms alternated, median_ms per call).
@@ -36,9 +39,10 @@ IGNORE = -100
 CONFIG = H.GEMM_CONFIG                      # (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M)
 SHAPES = {"rb100m": (4096, 768, 32004, 32064, True), "prof183m": (4096, 1536, 50257, 50432, False)}  # rows, D, V, VP, tied
 CHECK_SHAPES = ((77, 1000, 1024), (5, 300, 320))   # the 2-pass kernel on a CPU: rows, V, VP
-BASELINE = {"cuBLAS + 3 passes": "cuBLAS + 3 passes", "Gluon + partials + 2 passes": "cuBLAS + 3 passes",
-            "cuBLAS GEMM": "cuBLAS GEMM", "Gluon GEMM": "cuBLAS GEMM", "Gluon GEMM + partials": "cuBLAS GEMM",
-            "3 passes": "3 passes", "2 passes": "3 passes"}   # each arm's speedup is over this arm
+BASELINE = {"cuBLAS + 3 passes": "cuBLAS + 3 passes", "Gluon + 3 passes": "cuBLAS + 3 passes",
+            "Gluon + smem partials + 2 passes": "cuBLAS + 3 passes", "Gluon + reg partials + 2 passes": "cuBLAS + 3 passes",
+            "cuBLAS GEMM": "cuBLAS GEMM", "Gluon GEMM": "cuBLAS GEMM", "Gluon GEMM + smem partials": "cuBLAS GEMM",
+            "Gluon GEMM + reg partials": "cuBLAS GEMM", "3 passes": "3 passes", "2 passes": "3 passes"}   # each arm's speedup is over this arm
 GPU_CHECK_SHAPES = ((256, 512, 1000, 1024, True), (384, 256, 300, 320, False), (128, 768, 32004, 32064, True))
 
 @gluon.jit
@@ -73,10 +77,11 @@ def _consumer_partials(a_smem, b_smem, c_smem, c_desc, ready, free, part_max, pa
         mbarrier.arrive(free.index((it + STAGES - 1) % STAGES), count=1)
         first = row + CONS * HALF
         tma.store_wait(0)                                                # the last tile's logits have left shared memory
-        c_smem.store(acc.to(gl.bfloat16))
+        hidden = acc.to(gl.bfloat16)
+        c_smem.store(hidden)
         fence_async_shared()
         tma.async_copy_shared_to_global(c_desc, [first, n * BLOCK_N], c_smem)
-        if PARTIALS:                                                     # online over the tile's chunks, as the kernel reads them
+        if PARTIALS == 1:                                                # read back from shared memory, a chunk at a time
             run_max = gl.full([HALF], float("-inf"), gl.float32, row_layout)
             run_sum = gl.zeros([HALF], gl.float32, row_layout)
             for j in gl.static_range(BLOCK_N // CHUNK):
@@ -90,6 +95,16 @@ def _consumer_partials(a_smem, b_smem, c_smem, c_desc, ready, free, part_max, pa
             rows = first + gl.arange(0, HALF, layout=row_layout)
             gl.store(part_max + rows * tiles_n + n, run_max)
             gl.store(part_sum + rows * tiles_n + n, run_sum)
+        if PARTIALS == 2:                                                # from the registers: the whole half tile at once
+            z = hidden.to(gl.float32)
+            cols = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+            z = gl.where(gl.expand_dims(cols < V, 0), z, float("-inf"))
+            tile_max = gl.max(z, axis=1)
+            shift = gl.where(tile_max > float("-inf"), tile_max, 0.0)     # a tile all past V: max -inf, sum 0
+            tile_sum = gl.sum(gl.exp2((z - gl.expand_dims(shift, 1)) * 1.4426950408889634), axis=1)
+            rows = first + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
+            gl.store(part_max + rows * tiles_n + n, tile_max)
+            gl.store(part_sum + rows * tiles_n + n, tile_sum)
     tma.store_wait(0)
 
 @gluon.jit
@@ -127,9 +142,11 @@ def gemm_partials_kernel(a_desc, b_desc, c_desc, part_max, part_sum, n_tiles, ti
                              STAGES, GROUP_M, TRANS_B)),
     ], [4, 1], [REGS, H.LOADER_REGS])
 
-def gemm_partials(h, weight, V, tied, partials=True, logits=None, parts=None):
+EPILOGUES = {0: "no partials", 1: "partials read back from shared memory", 2: "partials from the registers"}
+
+def gemm_partials(h, weight, V, tied, partials=2, logits=None, parts=None):
     """(logits (R, VP) bf16, (part_max, part_sum) (R, tiles_n) fp32 or None): h (R, D) @ the head, whose weight is the
-    (VP, D) table when tied, else (D, VP). R a multiple of BLOCK_M."""
+    (VP, D) table when tied, else (D, VP); `partials` picks the epilogue (EPILOGUES). R a multiple of BLOCK_M."""
     block_m, block_n, block_k, stages, group_m = CONFIG
     R, D = h.shape
     VP = weight.shape[0] if tied else weight.shape[1]
@@ -212,12 +229,12 @@ def check_cpu():
                     check_close(f"2 passes at {rows}x{V}, gradient", logits, ref_grad, TOLERANCE[torch.bfloat16])))
     return out
 
-def check_gpu(rows, D, V, VP, tied):
-    "The Gluon GEMM's logits and partials, and the 2-pass gradient and loss, against float64."
+def check_gpu(rows, D, V, VP, tied, partials):
+    "The Gluon GEMM's logits and partials (epilogue `partials`), and the 2-pass gradient and loss, against float64."
     h, w, targets, inv_count = inputs(rows, D, V, VP, tied, "cuda", seed=rows + D)
-    logits, parts = gemm_partials(h, w, V, tied)
+    logits, parts = gemm_partials(h, w, V, tied, partials)
     exact = h.double() @ (w.double().t() if tied else w.double())
-    where = f"{rows}x{D}x{VP}{' tied' if tied else ''}"
+    where = f"{rows}x{D}x{VP}{' tied' if tied else ''}, epilogue {partials}"
     e_logits = check_close(f"{where}, logits", logits, exact, TOLERANCE[torch.bfloat16])
     ref_max, ref_sum = torch_partials(logits, V, CONFIG[1])
     e_parts = (check_close(f"{where}, partial max", parts[0], ref_max, TOLERANCE[torch.float32] * 10),
@@ -237,12 +254,15 @@ def arms(h, w, targets, inv_count, V, tied, row_loss):
     parts = tuple(torch.empty(h.shape[0], cdiv(VP, CONFIG[1]), dtype=torch.float32, device=h.device) for _ in range(2))
     cublas = lambda: M.gemm(h, head, out=logits)
     ce3 = lambda: M.cross_entropy_rows(logits, targets, row_loss, inv_count, V, IGNORE, True)
-    gluon_plain = lambda: gemm_partials(h, w, V, tied, partials=False, logits=logits)
-    gluon_parts = lambda: gemm_partials(h, w, V, tied, logits=logits, parts=parts)
+    gluon_plain = lambda: gemm_partials(h, w, V, tied, partials=0, logits=logits)
+    gluon_smem = lambda: gemm_partials(h, w, V, tied, partials=1, logits=logits, parts=parts)
+    gluon_regs = lambda: gemm_partials(h, w, V, tied, partials=2, logits=logits, parts=parts)
     ce2 = lambda: ce_from_partials(logits, targets, row_loss, inv_count, V, parts)
-    return {"cuBLAS + 3 passes": lambda: (cublas(), ce3()), "Gluon + partials + 2 passes": lambda: (gluon_parts(), ce2()),
-            "cuBLAS GEMM": cublas, "Gluon GEMM": gluon_plain, "Gluon GEMM + partials": gluon_parts,
-            "3 passes": ce3, "2 passes": ce2}
+    return {"cuBLAS + 3 passes": lambda: (cublas(), ce3()), "Gluon + 3 passes": lambda: (gluon_plain(), ce3()),
+            "Gluon + smem partials + 2 passes": lambda: (gluon_smem(), ce2()),
+            "Gluon + reg partials + 2 passes": lambda: (gluon_regs(), ce2()),
+            "cuBLAS GEMM": cublas, "Gluon GEMM": gluon_plain, "Gluon GEMM + smem partials": gluon_smem,
+            "Gluon GEMM + reg partials": gluon_regs, "3 passes": ce3, "2 passes": ce2}
 
 def compile_check():
     "The kernel compiled for sm_90 at both heads' layouts, with and without partials: registers and spills per thread."
@@ -250,14 +270,14 @@ def compile_check():
     from sm90_compile import compile_gluon_sm90
     block_m, block_n, block_k, stages, group_m = CONFIG
     for tied in (True, False):
-        for partials in (False, True):
+        for partials in EPILOGUES:
             b = (block_n, block_k) if tied else (block_k, block_n)
             (regs, spills), smem, _ = compile_gluon_sm90(
                 gemm_partials_kernel, dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, GROUP_M=group_m,
                                            TRANS_B=tied, PARTIALS=partials, REGS=H.CONSUMER_REGS, num_warps=4),
                 dict(a_desc=(block_m, block_k), b_desc=b, c_desc=(block_m // 2, block_n)), 4,
                 types=dict(part_max="*fp32", part_sum="*fp32"))
-            print(f"tied={tied!s:5} partials={partials!s:5}: {regs} registers, {spills} spilled bytes, {smem} B shared")
+            print(f"tied={tied!s:5} {EPILOGUES[partials]:38s}: {regs} registers, {spills} spilled bytes, {smem} B shared")
 
 def main():
     if "--compile" in sys.argv: return compile_check()
@@ -265,11 +285,12 @@ def main():
         if not INTERPRETING: sys.exit("needs a GPU, or TRITON_INTERPRET=1 for the 2-pass kernel's checks")
         for e in check_cpu(): print(f"2 passes from PyTorch's partials: loss {e[0]:.1e}, gradient {e[1]:.1e}")
         return
-    checks = {f"{r}x{d}x{vp}{' tied' if t else ''}": check_gpu(r, d, v, vp, t) for r, d, v, vp, t in GPU_CHECK_SHAPES}
+    checks = {f"{r}x{d}x{vp}{' tied' if t else ''}, epilogue {p}": check_gpu(r, d, v, vp, t, p)
+              for r, d, v, vp, t in GPU_CHECK_SHAPES for p in (1, 2)}
     for name, e in checks.items(): print(f"checked {name}: " + ", ".join(f"{k} {x:.1e}" for k, x in e.items()))
     rows_out = []
     for shape, (rows, D, V, VP, tied) in SHAPES.items():
-        checks[shape] = check_gpu(rows, D, V, VP, tied)
+        checks[shape] = [check_gpu(rows, D, V, VP, tied, p) for p in (1, 2)]
         h, w, targets, inv_count = inputs(rows, D, V, VP, tied, "cuda")
         fns = arms(h, w, targets, inv_count, V, tied, torch.empty(rows, device="cuda"))
         times = {name: [] for name in fns}
