@@ -6,11 +6,12 @@ Docs: https://example.invalid/rtrainer/rtrainer/matmul.html.md"""
 
 # %% auto #0
 __all__ = ['IGNORE_INDEX', 'GEMM_CONFIGS', 'INTERPRETER_GEMM_CONFIG', 'matmul_kernel_autotuned', 'GEMM_BACKEND',
-           'GEMM_DEFAULT_BACKEND', 'CE_CHUNK_ROWS', 'CE_BLOCK_V', 'CE_NUM_WARPS', 'MODEL_SHAPES', 'GEMM_COLUMNS',
-           'linear_reference', 'linear_cross_entropy_reference', 'matmul_kernel', 'triton_matmul', 'gemm_backend',
-           'gemm', 'gemm_into_fp32', 'LinearFp32WeightGrad', 'linear_fp32_weight_grad', 'cross_entropy_rows_kernel',
-           'cross_entropy_rows_torch', 'cross_entropy_rows', 'FusedLinearCrossEntropy', 'linear_cross_entropy',
-           'gemm_shapes', 'benchmark_gemm', 'use_measured_gemm_backends', 'run_gemm_bench', 'benchmark_suite']
+           'GEMM_DEFAULT_BACKEND', 'CE_CHUNK_ROWS', 'CE_BLOCK_V', 'CE_NUM_WARPS', 'FAST_PATHS', 'MODEL_SHAPES',
+           'GEMM_COLUMNS', 'linear_reference', 'linear_cross_entropy_reference', 'matmul_kernel', 'triton_matmul',
+           'gemm_backend', 'gemm', 'gemm_into_fp32', 'LinearFp32WeightGrad', 'linear_fp32_weight_grad',
+           'cross_entropy_rows_kernel', 'cross_entropy_rows_torch', 'logit_partials_reference', 'cross_entropy_rows',
+           'FusedLinearCrossEntropy', 'linear_cross_entropy', 'gemm_shapes', 'benchmark_gemm',
+           'use_measured_gemm_backends', 'run_gemm_bench', 'benchmark_suite']
 
 # %% ../nbs/01a_matmul.ipynb #17212246
 import math, sys
@@ -183,20 +184,30 @@ def cross_entropy_rows_kernel(logits_ptr,       # (rows, VP) chunk logits; overw
                               targets_ptr,      # (rows,) int64 targets, ignore_index for ignored rows
                               row_loss_ptr,     # (rows,) fp32 out: lse - logit[target], 0 when ignored
                               inv_count_ptr,    # (1,) fp32: 1 / number of non-ignored targets in the batch
-                              stride_row, vocab_size, padded_vocab_size, ignore_index,
-                              WRITE_GRADIENT: tl.constexpr, BLOCK_V: tl.constexpr):
+                              part_max_ptr,     # FROM_PARTIALS: (rows, n_parts) fp32 maxima of the row's column tiles
+                              part_sum_ptr,     # FROM_PARTIALS: (rows, n_parts) fp32 sums of exp(logit - tile max)
+                              n_parts, stride_row, vocab_size, padded_vocab_size, ignore_index,
+                              WRITE_GRADIENT: tl.constexpr, BLOCK_V: tl.constexpr, FROM_PARTIALS: tl.constexpr,
+                              BLOCK_P: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row
     target = tl.load(targets_ptr + row)
     valid = target != ignore_index
-    running_max = float("-inf")
-    running_sum = 0.0
-    for start in range(0, vocab_size, BLOCK_V):                          # read V
-        cols = start + tl.arange(0, BLOCK_V)
-        z = tl.load(base + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
-        new_max = tl.maximum(running_max, tl.max(z, 0))
-        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(z - new_max), 0)
-        running_max = new_max
+    if FROM_PARTIALS:                                                    # the GEMM's partials: no read of the row
+        p = tl.arange(0, BLOCK_P)
+        part_max = tl.load(part_max_ptr + row * n_parts + p, mask=p < n_parts, other=float("-inf"))
+        part_sum = tl.load(part_sum_ptr + row * n_parts + p, mask=p < n_parts, other=0.0)
+        running_max = tl.max(part_max, 0)
+        running_sum = tl.sum(part_sum * tl.exp(part_max - running_max), 0)
+    else:
+        running_max = float("-inf")
+        running_sum = 0.0
+        for start in range(0, vocab_size, BLOCK_V):                      # read V
+            cols = start + tl.arange(0, BLOCK_V)
+            z = tl.load(base + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
+            new_max = tl.maximum(running_max, tl.max(z, 0))
+            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(z - new_max), 0)
+            running_max = new_max
     lse = running_max + tl.log(running_sum)
     target_logit = tl.load(base + tl.where(valid, target, 0)).to(tl.float32)
     tl.store(row_loss_ptr + row, tl.where(valid, lse - target_logit, 0.0))
@@ -221,13 +232,33 @@ def cross_entropy_rows_torch(logits, targets, row_loss, inv_count, vocab_size, i
         grad[torch.arange(len(targets)), torch.where(valid, targets, 0)] -= 1.0
         logits.copy_(grad * torch.where(valid, inv_count, 0.0)[:, None])
 
-def cross_entropy_rows(logits, targets, row_loss, inv_count, vocab_size, ignore_index, write_gradient):
-    "Per-row loss of a chunk of logits; with write_gradient the logits become (softmax - onehot) * inv_count in place."
+def logit_partials_reference(logits, vocab_size, block_n):
+    """What a GEMM epilogue hands the row kernel (`partials`): per row and column tile of `block_n`, the max of the
+    logits below vocab_size (-inf where none is) and the sum of exp(logit - that max) (0 where none is), fp32."""
+    z = at_least_fp32(logits).masked_fill(torch.arange(logits.shape[1], device=logits.device) >= vocab_size, float("-inf"))
+    tiles = cdiv(logits.shape[1], block_n)
+    z = F.pad(z, (0, tiles * block_n - z.shape[1]), value=float("-inf")).view(len(z), tiles, block_n)
+    tile_max = z.amax(-1)
+    return tile_max.float(), (z - tile_max.nan_to_num(neginf=0.0)[..., None]).exp().sum(-1).float()
+
+def cross_entropy_rows(logits, targets, row_loss, inv_count, vocab_size, ignore_index, write_gradient, partials=None):
+    """Per-row loss of a chunk of logits; with write_gradient the logits become (softmax - onehot) * inv_count in place.
+    partials: (max, sum) as `logit_partials_reference` describes them, from the GEMM that wrote the logits: the kernel
+    takes each row's log-sum-exp from them and reads the row once instead of twice."""
     if not KERNELS_CAN_RUN:
         return cross_entropy_rows_torch(logits, targets, row_loss, inv_count, vocab_size, ignore_index, write_gradient)
+    part_max, part_sum = partials if partials is not None else (row_loss, row_loss)   # not read without partials
+    n_parts = part_max.shape[1] if partials is not None else 1
     launch(cross_entropy_rows_kernel, (logits.shape[0],),
-        logits, targets, row_loss, inv_count, logits.stride(0), vocab_size, logits.shape[1], ignore_index,
-        WRITE_GRADIENT=write_gradient, BLOCK_V=CE_BLOCK_V, num_warps=CE_NUM_WARPS)
+        logits, targets, row_loss, inv_count, part_max, part_sum, n_parts, logits.stride(0), vocab_size, logits.shape[1],
+        ignore_index, WRITE_GRADIENT=write_gradient, BLOCK_V=CE_BLOCK_V, FROM_PARTIALS=partials is not None,
+        BLOCK_P=triton.next_power_of_2(n_parts), num_warps=CE_NUM_WARPS)
+
+# Faster kernels for some inputs, registered by a later module (rtrainer.moe_hopper on import): 'logits' is
+# fn(h, weight, transposed, vocab_size) -> (logits (rows, VP), partials) for a chunk h (rows, D), the head `weight`
+# ((VP, D) when transposed, else (D, VP)) and partials as `cross_entropy_rows` takes them; None where it does not take
+# the inputs (then `gemm` runs and the row kernel reads each row twice).
+FAST_PATHS = {}
 
 # %% ../nbs/01a_matmul.ipynb #2c3a68bb
 class FusedLinearCrossEntropy(torch.autograd.Function):
@@ -243,9 +274,11 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         for chunk, start in enumerate(range(0, N, CE_CHUNK_ROWS)):
             end = min(start + CE_CHUNK_ROWS, N)
             h = hidden[start:end]
-            logits = gemm(h, head)                                                 # (rows, VP)
+            fast = FAST_PATHS.get("logits")
+            out = fast(h, weight, transposed, vocab_size) if fast else None
+            logits, partials = out if out is not None else (gemm(h, head), None)   # (rows, VP)
             cross_entropy_rows(logits, targets[start:end], row_loss[start:end], inv_count,
-                               vocab_size, ignore_index, compute_gradients)         # logits -> dlogits in place
+                               vocab_size, ignore_index, compute_gradients, partials)   # logits -> dlogits in place
             if compute_gradients:
                 gemm(logits, head.t(), out=dhidden[start:end])                     # (rows, D)
                 if transposed: gemm_into_fp32(logits.t(), h, dweight, accumulate=chunk > 0)   # (VP, D), the table's layout

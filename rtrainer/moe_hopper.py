@@ -6,7 +6,7 @@ Docs: https://example.invalid/rtrainer/rtrainer/moe_hopper.html.md"""
 
 # %% auto #0
 __all__ = ['GEMM_CONFIG', 'LOADER_REGS', 'CONSUMER_REGS', 'ENABLED', 'CALLS', 'gluon_grouped_gemm_kernel', 'hopper_gemm_refusal',
-           'hopper_grouped_gemm']
+           'hopper_grouped_gemm', 'hopper_logits_refusal', 'hopper_logits']
 
 # %% ../nbs/03a_moe_hopper.ipynb #18817efd
 import collections, os
@@ -17,6 +17,7 @@ from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, fenc
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .kernels import INTERPRETING, cdiv, launch
 from .moe import FAST_PATHS
+from . import matmul
 from .attention_hopper import _block_layout, _is_sm90, _sm_count   # 02a's device facts and tile layouts, cached
 
 # %% ../nbs/03a_moe_hopper.ipynb #b768dfaf
@@ -109,10 +110,25 @@ def _epilogue(hidden, c_smem, c_desc, act_desc, row, n, N, BLOCK_N: gl.constexpr
         tma.async_copy_shared_to_global(c_desc, [row, n * BLOCK_N], c_smem)
 
 @gluon.jit
+def _partials(hidden, part_max, part_sum, first, n, tiles_n, R, V, HALF: gl.constexpr, BLOCK_N: gl.constexpr):
+    """For each row of a consumer's bf16 logits tile (rows first.., columns from n * BLOCK_N): the max of its logits
+    below column V and the sum of exp(logit - max), into part_max and part_sum (R, tiles_n) at column n."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    z = hidden.to(gl.float32)                                             # the values the row kernel will read
+    cols = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+    z = gl.where(gl.expand_dims(cols < V, 0), z, float("-inf"))
+    tile_max = gl.max(z, axis=1)
+    shift = gl.where(tile_max > float("-inf"), tile_max, 0.0)             # a tile all past V: max -inf, sum 0
+    tile_sum = gl.sum(gl.exp2((z - gl.expand_dims(shift, 1)) * 1.4426950408889634), axis=1)
+    rows = first + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
+    gl.store(part_max + rows * tiles_n + n, tile_max, mask=rows < R)
+    gl.store(part_sum + rows * tiles_n + n, tile_sum, mask=rows < R)
+
+@gluon.jit
 def _consumer(a_smem, b_smem, c_smem, c_desc, act_desc, ready, free, n_tiles, tiles_m, tiles_n, K, N, rows_per_expert,
-              starts_ptr, ends_ptr, n_groups, CONS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SWIGLU: gl.constexpr, TRANS_B: gl.constexpr,
-              VARLEN: gl.constexpr):
+              starts_ptr, ends_ptr, n_groups, part_max, part_sum, R, V, CONS: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SWIGLU: gl.constexpr,
+              TRANS_B: gl.constexpr, VARLEN: gl.constexpr, PARTIALS: gl.constexpr):
     HALF: gl.constexpr = BLOCK_M // 2
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     it = 0
@@ -133,19 +149,23 @@ def _consumer(a_smem, b_smem, c_smem, c_desc, act_desc, ready, free, n_tiles, ti
             it += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         mbarrier.arrive(free.index((it + STAGES - 1) % STAGES), count=1)
-        _epilogue(acc.to(gl.bfloat16), c_smem, c_desc, act_desc, row + CONS * HALF, n, N, BLOCK_N, SWIGLU)
+        hidden = acc.to(gl.bfloat16)
+        _epilogue(hidden, c_smem, c_desc, act_desc, row + CONS * HALF, n, N, BLOCK_N, SWIGLU)
+        if PARTIALS:                                                          # one group: a classifier's logits
+            _partials(hidden, part_max, part_sum, row + CONS * HALF, n, tiles_n, R, V, HALF, BLOCK_N)
     tma.store_wait(0)
 
 # tiles_n is never specialized to a constant: at 1 (N == BLOCK_N) Triton 3.6 fails to lower the VARLEN kernel for sm_90
 # (ConvertTritonGPUToLLVM; a dropless layer with 2*FF = 256 hit it), and as an argument it costs nothing
 @gluon.jit(do_not_specialize=["tiles_n"])
 def gluon_grouped_gemm_kernel(a_desc, b_desc, c_desc, act_desc, n_tiles, tiles_m, tiles_n, K, N, rows_per_expert,
-                              starts_ptr, ends_ptr, n_groups,
+                              starts_ptr, ends_ptr, n_groups, part_max, part_sum, R, V,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                               GROUP_M: gl.constexpr, SWIGLU: gl.constexpr, TRANS_B: gl.constexpr, VARLEN: gl.constexpr,
-                              REGS: gl.constexpr, num_warps: gl.constexpr):
+                              PARTIALS: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
     """out[r] = a[r] @ w[e] for the rows r of group e, persistent: a loader warp and two consumer warpgroups. Groups of
-    rows_per_expert rows one after another (capacity), or (VARLEN) [starts[e], ends[e]) starting on multiples of BLOCK_M."""
+    rows_per_expert rows one after another (capacity), or (VARLEN) [starts[e], ends[e]) starting on multiples of BLOCK_M.
+    PARTIALS (one group of R rows: logits of V real columns): also each row's max and sum of exponentials per column tile."""
     HALF: gl.constexpr = BLOCK_M // 2
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     if TRANS_B:
@@ -160,9 +180,11 @@ def gluon_grouped_gemm_kernel(a_desc, b_desc, c_desc, act_desc, n_tiles, tiles_m
         mbarrier.init(free.index(i), count=2)                                 # both consumers are done with the slot
     gl.warp_specialize([
         (_consumer, (a_smem, b_smem, c_smem.index(0), c_desc, act_desc, ready, free, n_tiles, tiles_m, tiles_n, K, N, rows_per_expert,
-                     starts_ptr, ends_ptr, n_groups, 0, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SWIGLU, TRANS_B, VARLEN)),
+                     starts_ptr, ends_ptr, n_groups, part_max, part_sum, R, V, 0, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M,
+                     SWIGLU, TRANS_B, VARLEN, PARTIALS)),
         (_consumer, (a_smem, b_smem, c_smem.index(1), c_desc, act_desc, ready, free, n_tiles, tiles_m, tiles_n, K, N, rows_per_expert,
-                     starts_ptr, ends_ptr, n_groups, 1, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SWIGLU, TRANS_B, VARLEN)),
+                     starts_ptr, ends_ptr, n_groups, part_max, part_sum, R, V, 1, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M,
+                     SWIGLU, TRANS_B, VARLEN, PARTIALS)),
         (_loader, (a_desc, b_desc, a_smem, b_smem, ready, free, n_tiles, tiles_m, tiles_n, K, N, rows_per_expert,
                    starts_ptr, ends_ptr, n_groups, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SWIGLU, TRANS_B, VARLEN)),
     ], [4, 1], [REGS, LOADER_REGS])
@@ -219,18 +241,21 @@ def hopper_grouped_gemm(rows, weight, config=GEMM_CONFIG, swiglu=False, out=None
     if (why := _kernel_refusal(rows, weight, capacity, config, swiglu, row_align)): raise ValueError(f"hopper_grouped_gemm: {why}")
     if groups is not None and any(g.dtype != torch.int32 or g.shape != (weight.shape[0],) or g.device != rows.device for g in groups):
         raise ValueError(f"hopper_grouped_gemm: groups must be two ({weight.shape[0]},) int32 tensors on {rows.device}")
-    return _launch(rows, weight, config, swiglu, out, groups)
+    return _launch(rows, weight, config, swiglu, out, groups)[:2]
 
-def _launch(rows, weight, config, swiglu, out, groups=None):
-    "hopper_grouped_gemm on operands already checked."
+def _launch(rows, weight, config, swiglu, out, groups=None, vocab_size=0):
+    """hopper_grouped_gemm on operands already checked: (out, act, partials). With vocab_size (one group, any R and N:
+    TMA reads zeros past the edges and clips the stores) also the logit partials of `matmul.cross_entropy_rows`."""
     block_m, block_n, block_k, stages, group_m = config
     (R, K), (E, _, N) = rows.shape, weight.shape
     trans_b = not weight.is_contiguous()
     out = torch.empty(R, N, dtype=rows.dtype, device=rows.device) if out is None else out
     act = torch.empty(R, N // 2, dtype=rows.dtype, device=rows.device) if swiglu else None
-    tiles_n = N // block_n
+    tiles_n = cdiv(N, block_n)                                               # N % block_n == 0 but for one group
+    parts = (torch.empty(R, tiles_n, dtype=torch.float32, device=rows.device), torch.empty(R, tiles_n, dtype=torch.float32,
+             device=rows.device)) if vocab_size else None
     if groups is None:
-        tiles_m = R // E // block_m
+        tiles_m = cdiv(R // E, block_m)                                      # capacity % block_m == 0 but for one group
         n_tiles = E * tiles_m * tiles_n
         starts = ends = rows                                                  # not read
     else:                                                                     # tiles counted on the device
@@ -242,10 +267,10 @@ def _launch(rows, weight, config, swiglu, out, groups=None):
     launch(gluon_grouped_gemm_kernel, (min(n_tiles, _sm_count(rows.device.index)),),
         _desc(rows, block_m, block_k), b_desc, _desc(out, block_m // 2, out_cols),
         _desc(act if swiglu else out, block_m // 2, block_n // 2),            # not written without swiglu
-        n_tiles, tiles_m, tiles_n, K, N, R // E, starts, ends, E, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        STAGES=stages, GROUP_M=group_m, SWIGLU=swiglu, TRANS_B=trans_b, VARLEN=groups is not None, REGS=CONSUMER_REGS,
-        num_warps=4)
-    return out, act
+        n_tiles, tiles_m, tiles_n, K, N, R // E, starts, ends, E, *(parts or (out, out)), R, vocab_size,  # out: not written
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, GROUP_M=group_m, SWIGLU=swiglu, TRANS_B=trans_b,
+        VARLEN=groups is not None, PARTIALS=bool(vocab_size), REGS=CONSUMER_REGS, num_warps=4)
+    return out, act, parts
 
 def _fast_grouped_gemm(rows, weight, capacity, group_starts, group_ends, row_align):
     if hopper_gemm_refusal(rows, weight, capacity, row_align=row_align): return None
@@ -255,7 +280,7 @@ def _fast_grouped_gemm(rows, weight, capacity, group_starts, group_ends, row_ali
 def _fast_grouped_gemm_swiglu(rows, gate_up, capacity, group_starts, group_ends, row_align):
     if hopper_gemm_refusal(rows, gate_up, capacity, swiglu=True, row_align=row_align): return None
     CALLS["swiglu" + ("" if capacity else " dropless")] += 1
-    return _launch(rows, gate_up, GEMM_CONFIG, True, None, None if capacity else (group_starts, group_ends))
+    return _launch(rows, gate_up, GEMM_CONFIG, True, None, None if capacity else (group_starts, group_ends))[:2]
 
 def _dropless_row_align(x):
     "BLOCK_M where the kernel would run on x's rows (a CUDA bf16 tensor on a Hopper GPU), else 1."
@@ -263,4 +288,32 @@ def _dropless_row_align(x):
 
 FAST_PATHS.update(grouped_gemm=_fast_grouped_gemm, grouped_gemm_swiglu=_fast_grouped_gemm_swiglu,
                   dropless_row_align=_dropless_row_align)
+
+def hopper_logits_refusal(h, weight, transposed):
+    """Why the classifier's logits h (R, D) @ head do not take the kernel (a short reason), or None; the head is
+    `weight`, (VP, D) when transposed (a tied embedding table), else (D, VP)."""
+    if not ENABLED: return "disabled (RTRAINER_HOPPER_MOE=0)"
+    if (why := _device_refusal(h)): return why
+    if weight.dtype != torch.bfloat16: return f"{weight.dtype} weight, not bf16"
+    if h.dim() != 2 or weight.dim() != 2 or h.shape[1] != weight.shape[1 if transposed else 0]:
+        return f"hidden {tuple(h.shape)} and weight {tuple(weight.shape)} do not make a product"
+    if not (h.is_contiguous() and weight.is_contiguous()) or h.data_ptr() % 16 or weight.data_ptr() % 16:
+        return "hidden or weight not contiguous and 16-byte aligned"
+    if h.shape[1] % 8 or weight.shape[1] % 8: return "rows not a multiple of 16 bytes (TMA)"
+    return None
+
+def hopper_logits(h, weight, transposed, vocab_size, config=GEMM_CONFIG):
+    """(logits (R, VP) bf16, partials): h @ the head (see hopper_logits_refusal) and, per row and 256-column tile,
+    the max of the logits below vocab_size and the sum of exp(logit - max), as `matmul.cross_entropy_rows` takes them."""
+    if (why := hopper_logits_refusal(h, weight, transposed)): raise ValueError(f"hopper_logits: {why}")
+    out, _, parts = _launch(h, (weight.t() if transposed else weight).unsqueeze(0), config, False, None, vocab_size=vocab_size)
+    return out, parts
+
+def _fast_logits(h, weight, transposed, vocab_size):
+    if hopper_logits_refusal(h, weight, transposed): return None
+    CALLS["logits"] += 1
+    out, _, parts = _launch(h, (weight.t() if transposed else weight).unsqueeze(0), GEMM_CONFIG, False, None, vocab_size=vocab_size)
+    return out, parts
+
+matmul.FAST_PATHS.update(logits=_fast_logits)
 

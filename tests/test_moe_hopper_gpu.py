@@ -1,8 +1,9 @@
-"GPU checks of the Hopper MoE GEMM (03a): the Gluon grouped GEMM against float64 (uniform and aligned dropless groups), its SwiGLU epilogue, the bf16 layers that take it."
+"GPU checks of the Hopper GEMM (03a): the Gluon grouped GEMM against float64 (uniform and aligned dropless groups), its SwiGLU epilogue, the bf16 layers that take it, and the classifier's logits with their partials."
 import pytest, torch
 if not torch.cuda.is_available(): pytest.skip("needs a CUDA GPU", allow_module_level=True)
 if torch.cuda.get_device_capability()[0] != 9: pytest.skip("the Gluon kernel is for Hopper (sm_90)", allow_module_level=True)
 import rtrainer.moe as moe
+import rtrainer.matmul as mm
 from rtrainer import moe_hopper
 from rtrainer.moe import MoeFeedForward
 from rtrainer.kernels import start_gradient_step, gradient_fp32, knob_values, swiglu_forward
@@ -113,3 +114,48 @@ def test_bf16_layer_takes_the_hopper_gemm(knobs, calls, swiglu_calls, dispatch):
                   **{n: rel(gradient_fp32(p), p64.grad) for (n, p), p64 in zip(layer.named_parameters(), oracle.parameters())})
     print(knobs, errors)
     assert errors["y"] < 1e-2 and max(errors.values()) < 3e-2, errors
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("R,D,V,VP", [(1000, 192, 1003, 1024), (77, 64, 300, 320), (4096, 768, 32004, 32064), (300, 1536, 50257, 50432)])
+def test_hopper_logits_and_partials(R, D, V, VP, transposed):
+    """The classifier's logits against float64, and their partials against matmul.logit_partials_reference of the same
+    bf16 logits: rows off the 128-row tile, columns off the 256-column tile, a tied (VP, D) table or a (D, VP) head."""
+    torch.manual_seed(R + D)
+    h = torch.randn(R, D, device="cuda").bfloat16()
+    weight = (torch.randn(VP, D, device="cuda") * 3 / D ** 0.5).bfloat16()
+    if not transposed: weight = weight.t().contiguous()
+    assert moe_hopper.hopper_logits_refusal(h, weight, transposed) is None
+    logits, (part_max, part_sum) = moe_hopper.hopper_logits(h, weight, transposed, V)
+    assert rel(logits, h.double() @ (weight.double().t() if transposed else weight.double())) < 5e-3
+    want_max, want_sum = mm.logit_partials_reference(logits, V, moe_hopper.GEMM_CONFIG[1])
+    assert part_max.shape == (R, -(-VP // 256)) and torch.equal(part_max, want_max) and rel(part_sum, want_sum) < 1e-5
+
+def test_hopper_logits_refusals():
+    h, w = torch.zeros(128, 64, device="cuda", dtype=torch.bfloat16), torch.zeros(64, 320, device="cuda", dtype=torch.bfloat16)
+    assert moe_hopper.hopper_logits_refusal(h, w, False) is None
+    assert "do not make a product" in moe_hopper.hopper_logits_refusal(h, w, True)
+    assert "not contiguous" in moe_hopper.hopper_logits_refusal(h[:, :32], w[:32], False)
+    assert "16 bytes" in moe_hopper.hopper_logits_refusal(h[:, :60].contiguous(), w[:60].contiguous(), False)
+    assert "float32" in moe_hopper.hopper_logits_refusal(h, w.float(), False)
+    with pytest.raises(ValueError, match="hopper_logits: "): moe_hopper.hopper_logits(h, w, True, 300)
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_linear_cross_entropy_takes_the_hopper_logits(transposed, monkeypatch):
+    """The fused classifier (01a) in chunks of 384 rows (the last short) with the Hopper logits and their partials,
+    so the row kernel reads each row once: loss and both gradients against float64."""
+    monkeypatch.setattr(mm, "CE_CHUNK_ROWS", 384)
+    torch.manual_seed(7 + transposed)
+    N, D, V, VP = 1000, 264, 1003, 1024
+    head = torch.nn.Parameter((torch.randn(*((VP, D) if transposed else (D, VP)), device="cuda") * 3 / D ** 0.5).bfloat16())
+    head64 = head.detach().double().requires_grad_()
+    start_gradient_step([head])
+    hidden = torch.randn(N, D, device="cuda").bfloat16().requires_grad_()
+    targets = torch.randint(0, V, (N,), device="cuda"); targets[::7] = mm.IGNORE_INDEX; targets[0] = V - 1
+    before = moe_hopper.CALLS["logits"]
+    loss = mm.linear_cross_entropy(hidden, head, targets, V, weight_transposed=transposed)
+    assert moe_hopper.CALLS["logits"] - before == 3
+    hidden64 = hidden.detach().double().requires_grad_()
+    ref = mm.linear_cross_entropy_reference(hidden64, head64, targets, V, weight_transposed=transposed)
+    (2 * loss).backward(); (2 * ref).backward()
+    assert torch.isfinite(loss) and rel(loss, ref.detach()) < 2e-3
+    assert rel(hidden.grad, hidden64.grad) < 1e-2 and rel(gradient_fp32(head), head64.grad) < 1e-2
