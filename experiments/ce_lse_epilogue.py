@@ -95,16 +95,8 @@ def _consumer_partials(a_smem, b_smem, c_smem, c_desc, ready, free, part_max, pa
             rows = first + gl.arange(0, HALF, layout=row_layout)
             gl.store(part_max + rows * tiles_n + n, run_max)
             gl.store(part_sum + rows * tiles_n + n, run_sum)
-        if PARTIALS == 2:                                                # from the registers: the whole half tile at once
-            z = hidden.to(gl.float32)
-            cols = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-            z = gl.where(gl.expand_dims(cols < V, 0), z, float("-inf"))
-            tile_max = gl.max(z, axis=1)
-            shift = gl.where(tile_max > float("-inf"), tile_max, 0.0)     # a tile all past V: max -inf, sum 0
-            tile_sum = gl.sum(gl.exp2((z - gl.expand_dims(shift, 1)) * 1.4426950408889634), axis=1)
-            rows = first + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
-            gl.store(part_max + rows * tiles_n + n, tile_max)
-            gl.store(part_sum + rows * tiles_n + n, tile_sum)
+        if PARTIALS == 2:                                                # from the registers: 03a's epilogue, as the package runs it
+            H._partials(hidden, part_max, part_sum, first, n, tiles_n, tiles_m * BLOCK_M, V, HALF, BLOCK_N)
     tma.store_wait(0)
 
 @gluon.jit
