@@ -37,7 +37,8 @@ from rtrainer.kernels import INTERPRETING, TOLERANCE, cdiv, median_ms, ratio_int
 ROUNDS = int(os.environ.get("ROUNDS", 5))
 IGNORE = -100
 CONFIG = H.GEMM_CONFIG                      # (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M)
-SHAPES = {"rb100m": (4096, 768, 32004, 32064, True), "prof183m": (4096, 1536, 50257, 50432, False)}  # rows, D, V, VP, tied
+SHAPES = {"rb100m": (4096, 768, 32004, 32064, True), "prof183m": (4096, 1536, 50257, 50432, False),   # rows, D, V, VP, tied
+          "dense1b": (4096, 2048, 50257, 50432, False), "moe4b": (4096, 3072, 50257, 50432, False)}   # not yet run
 CHECK_SHAPES = ((77, 1000, 1024), (5, 300, 320))   # the 2-pass kernel on a CPU: rows, V, VP
 BASELINE = {"cuBLAS + 3 passes": "cuBLAS + 3 passes", "Gluon + 3 passes": "cuBLAS + 3 passes",
             "Gluon + smem partials + 2 passes": "cuBLAS + 3 passes", "Gluon + reg partials + 2 passes": "cuBLAS + 3 passes",
