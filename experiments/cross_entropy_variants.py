@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rtrainer import matmul as M
+from rtrainer.matmul import row_logsumexp
 from rtrainer.kernels import INTERPRETING, TOLERANCE, median_ms, ratio_interval, alternation, check_close, machine_metadata, _program_count
 
 ROUNDS = int(os.environ.get("ROUNDS", 5))
@@ -42,15 +43,7 @@ def ce_rows_persistent_kernel(logits_ptr, targets_ptr, row_loss_ptr, inv_count_p
         base = logits_ptr + tl.cast(row, tl.int64) * stride_row
         target = tl.load(targets_ptr + row)
         valid = target != ignore_index
-        running_max = float("-inf")
-        running_sum = 0.0
-        for start in range(0, vocab_size, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            z = tl.load(base + cols, mask=cols < vocab_size, other=float("-inf"), eviction_policy=FIRST).to(tl.float32)
-            new_max = tl.maximum(running_max, tl.max(z, 0))
-            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(z - new_max), 0)
-            running_max = new_max
-        lse = running_max + tl.log(running_sum)
+        lse = row_logsumexp(base, vocab_size, BLOCK_V, FIRST)
         target_logit = tl.load(base + tl.where(valid, target, 0)).to(tl.float32)
         tl.store(row_loss_ptr + row, tl.where(valid, lse - target_logit, 0.0))
         scale = tl.where(valid, tl.load(inv_count_ptr), 0.0)

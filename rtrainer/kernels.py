@@ -17,18 +17,18 @@ __all__ = ['OPS', 'PROJECT_ROOT', 'RESULTS_DIR', 'T_QUANTILE_975', 'INTERPRETING
            'weight_grad_buffer', 'finish_weight_grad', 'accumulate_main_grad', 'gradient_fp32', 'enqueue_ms',
            'median_ms', 'sustained_ms', 'peak_bytes', 'git_commit', 'cpu_description', 'machine_metadata',
            'save_results', 'load_results', 'results_caption', 'show_results', 't_quantile_975', 'ratio_interval',
-           'spread', 'alternation', 'plot_ratios', 'check_kernel_device', 'cdiv', 'vecadd_kernel', 'vecadd',
-           'relative_error', 'check_close', 'time_ms', 'benchmark_row', 'bench_vecadd', 'launch_key', 'launch',
-           'rms_norm_forward_kernel', 'rms_norm_backward_kernel', 'as_rows', 'resident_programs', 'rms_norm_forward',
-           'rms_norm_backward', 'RMSNormFunction', 'AddRMSNormFunction', 'rms_norm_triton', 'add_rms_norm_triton',
-           'register_op_example', 'run_op_with_grads', 'check_op', 'rope_kernel', 'rope_apply', 'RoPEFunction',
-           'rope_triton', 'swiglu_forward_kernel', 'swiglu_backward_kernel', 'swiglu_forward', 'swiglu_backward',
-           'SwiGLUFunction', 'swiglu_triton', 'embedding_forward_kernel', 'embedding_backward_segments_kernel',
-           'embedding_backward_atomic_kernel', 'embedding_forward', 'embedding_backward_deterministic',
-           'embedding_backward_atomic', 'EmbeddingFunction', 'embedding_triton', 'embedding_run_to_run_differences',
-           'bench_rms_norm', 'bench_add_rms_norm', 'bench_rope', 'bench_swiglu', 'bench_embedding',
-           'register_benchmark', 'benchmark_suite', 'print_table', 'run_doctor', 'parse_size', 'run_ops_check',
-           'run_bench', 'kernel_knobs', 'parse_variants', 'knob_values', 'run_sweep']
+           'spread', 'alternation', 'plot_ratios', 'check_kernel_device', 'cdiv', 'next_power_of_2', 'vecadd_kernel',
+           'vecadd', 'relative_error', 'check_close', 'time_ms', 'benchmark_row', 'bench_vecadd', 'launch_key',
+           'launch', 'rms_norm_forward_kernel', 'rms_norm_backward_kernel', 'as_rows', 'resident_programs',
+           'rms_norm_forward', 'rms_norm_backward', 'RMSNormFunction', 'AddRMSNormFunction', 'rms_norm_triton',
+           'add_rms_norm_triton', 'register_op_example', 'run_op_with_grads', 'check_op', 'rope_kernel', 'rope_apply',
+           'RoPEFunction', 'rope_triton', 'swiglu_forward_kernel', 'swiglu_backward_kernel', 'swiglu_forward',
+           'swiglu_backward', 'SwiGLUFunction', 'swiglu_triton', 'embedding_forward_kernel',
+           'embedding_backward_segments_kernel', 'embedding_backward_atomic_kernel', 'embedding_forward',
+           'embedding_backward_deterministic', 'embedding_backward_atomic', 'EmbeddingFunction', 'embedding_triton',
+           'embedding_run_to_run_differences', 'bench_rms_norm', 'bench_add_rms_norm', 'bench_rope', 'bench_swiglu',
+           'bench_embedding', 'register_benchmark', 'benchmark_suite', 'print_table', 'run_doctor', 'parse_size',
+           'run_ops_check', 'run_bench', 'kernel_knobs', 'parse_variants', 'knob_values', 'run_sweep']
 
 # %% ../nbs/01_kernels.ipynb #127953a0
 import datetime, inspect, json, math, os, platform, statistics, subprocess, sys, time, warnings
@@ -377,6 +377,10 @@ def cdiv(a, b):
     "Ceiling of a / b for integers, for grid sizes on the host: Triton 3.6's `triton.cdiv` is a constexpr function there, 1.9 µs a call."
     return -(a // -b)
 
+def next_power_of_2(n):
+    "Smallest power of two at least n (0 for 0), for block sizes on the host: `triton.next_power_of_2` costs 2.1 µs a call under Triton 3.6."
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
 # %% ../nbs/01_kernels.ipynb #759621ec
 VECADD_BLOCK = 1024     # elements per program (H200, 2^28 elements: 1024 x 4 warps level with torch.compile, 4096 x 8 warps 0.8% behind)
 VECADD_NUM_WARPS = 4    # 32-thread warps per program (ignored by the interpreter)
@@ -630,7 +634,7 @@ def rms_norm_forward(x, weight, eps=1e-5, residual=None, out=None, summed=None):
         summed = torch.empty(x.shape, dtype=x.dtype, device=x.device) if summed is None else summed
         s2 = summed.view(-1, D)
     else: r2 = s2 = x2
-    block_cols = triton.next_power_of_2(D)
+    block_cols = next_power_of_2(D)
     block_rows = max(1, min(RMS_NORM_BLOCK_ROWS, 16384 // block_cols))   # a wide row keeps the program's tile in registers
     launch(rms_norm_forward_kernel, (cdiv(n_rows, block_rows),),
         x2, r2, weight, out2, s2, rstd, n_rows, D, x2.stride(0), r2.stride(0), out2.stride(0), s2.stride(0), eps,
@@ -647,7 +651,7 @@ def rms_norm_backward(dy, x, weight, rstd, dsummed=None, dx=None):
     ds2 = as_rows(dsummed) if dsummed is not None else dy2
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if dx is None else dx
     dx2 = dx.view(-1, D)
-    block_cols = triton.next_power_of_2(D)
+    block_cols = next_power_of_2(D)
     warps = RMS_NORM_BACKWARD_NUM_WARPS or min(32, max(4, block_cols // 512))
     settings = dict(HAS_DSUMMED=dsummed is not None, BLOCK_ROWS=RMS_NORM_BACKWARD_BLOCK_ROWS, BLOCK_COLS=block_cols,
                   PREFETCH=bool(RMS_NORM_BACKWARD_PREFETCH), num_warps=warps)
@@ -814,7 +818,7 @@ def rope_apply(x, cos, sin, out=None, inverse=False):
     n_rows = B * T * H
     if n_rows: launch(rope_kernel, (cdiv(n_rows, ROPE_BLOCK_ROWS),),
         x, cos, sin, out, n_rows, T, H, hd, *x.stride(), *out.stride(), cos.stride(0),
-        SIN_SIGN=-1.0 if inverse else 1.0, BLOCK_ROWS=ROPE_BLOCK_ROWS, BLOCK_DIM=max(2, triton.next_power_of_2(hd)),
+        SIN_SIGN=-1.0 if inverse else 1.0, BLOCK_ROWS=ROPE_BLOCK_ROWS, BLOCK_DIM=max(2, next_power_of_2(hd)),
         num_warps=ROPE_NUM_WARPS)
     return out
 

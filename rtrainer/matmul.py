@@ -8,7 +8,7 @@ Docs: https://example.invalid/rtrainer/rtrainer/matmul.html.md"""
 __all__ = ['IGNORE_INDEX', 'GEMM_CONFIGS', 'INTERPRETER_GEMM_CONFIG', 'matmul_kernel_autotuned', 'GEMM_BACKEND',
            'GEMM_DEFAULT_BACKEND', 'CE_CHUNK_ROWS', 'CE_BLOCK_V', 'CE_NUM_WARPS', 'FAST_PATHS', 'MODEL_SHAPES',
            'GEMM_COLUMNS', 'linear_reference', 'linear_cross_entropy_reference', 'matmul_kernel', 'triton_matmul',
-           'gemm_backend', 'gemm', 'gemm_into_fp32', 'LinearFp32WeightGrad', 'linear_fp32_weight_grad',
+           'gemm_backend', 'gemm', 'gemm_into_fp32', 'LinearFp32WeightGrad', 'linear_fp32_weight_grad', 'row_logsumexp',
            'cross_entropy_rows_kernel', 'cross_entropy_rows_torch', 'logit_partials_reference', 'cross_entropy_rows',
            'FusedLinearCrossEntropy', 'linear_cross_entropy', 'gemm_shapes', 'benchmark_gemm',
            'use_measured_gemm_backends', 'run_gemm_bench', 'benchmark_suite']
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from .kernels import (INTERPRETING, KERNELS_CAN_RUN, cdiv, launch, register_op, at_least_fp32, weight_grad_buffer, finish_weight_grad,
+from .kernels import (INTERPRETING, KERNELS_CAN_RUN, cdiv, next_power_of_2, launch, register_op, at_least_fp32, weight_grad_buffer, finish_weight_grad,
                               median_ms, peak_bytes, save_results, load_results, show_results, knob_values)
 
 # %% ../nbs/01a_matmul.ipynb #0bd04b24
@@ -180,6 +180,19 @@ CE_BLOCK_V = 2048      # vocabulary columns a program handles per iteration
 CE_NUM_WARPS = 8
 
 @triton.jit
+def row_logsumexp(base, vocab_size, BLOCK_V: tl.constexpr, EVICTION: tl.constexpr):
+    "Log-sum-exp of the first vocab_size logits at `base`, online over BLOCK_V-column blocks (EVICTION: tl.load's policy)."
+    running_max = float("-inf")
+    running_sum = 0.0
+    for start in range(0, vocab_size, BLOCK_V):                          # read V
+        cols = start + tl.arange(0, BLOCK_V)
+        z = tl.load(base + cols, mask=cols < vocab_size, other=float("-inf"), eviction_policy=EVICTION).to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(z, 0))
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(z - new_max), 0)
+        running_max = new_max
+    return running_max + tl.log(running_sum)
+
+@triton.jit
 def cross_entropy_rows_kernel(logits_ptr,       # (rows, VP) chunk logits; overwritten with the logit gradient
                               targets_ptr,      # (rows,) int64 targets, ignore_index for ignored rows
                               row_loss_ptr,     # (rows,) fp32 out: lse - logit[target], 0 when ignored
@@ -197,18 +210,10 @@ def cross_entropy_rows_kernel(logits_ptr,       # (rows, VP) chunk logits; overw
         p = tl.arange(0, BLOCK_P)
         part_max = tl.load(part_max_ptr + row * n_parts + p, mask=p < n_parts, other=float("-inf"))
         part_sum = tl.load(part_sum_ptr + row * n_parts + p, mask=p < n_parts, other=0.0)
-        running_max = tl.max(part_max, 0)
-        running_sum = tl.sum(part_sum * tl.exp(part_max - running_max), 0)
+        row_max = tl.max(part_max, 0)
+        lse = row_max + tl.log(tl.sum(part_sum * tl.exp(part_max - row_max), 0))
     else:
-        running_max = float("-inf")
-        running_sum = 0.0
-        for start in range(0, vocab_size, BLOCK_V):                      # read V
-            cols = start + tl.arange(0, BLOCK_V)
-            z = tl.load(base + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
-            new_max = tl.maximum(running_max, tl.max(z, 0))
-            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(z - new_max), 0)
-            running_max = new_max
-    lse = running_max + tl.log(running_sum)
+        lse = row_logsumexp(base, vocab_size, BLOCK_V, "")
     target_logit = tl.load(base + tl.where(valid, target, 0)).to(tl.float32)
     tl.store(row_loss_ptr + row, tl.where(valid, lse - target_logit, 0.0))
     if WRITE_GRADIENT:
@@ -252,7 +257,7 @@ def cross_entropy_rows(logits, targets, row_loss, inv_count, vocab_size, ignore_
     launch(cross_entropy_rows_kernel, (logits.shape[0],),
         logits, targets, row_loss, inv_count, part_max, part_sum, n_parts, logits.stride(0), vocab_size, logits.shape[1],
         ignore_index, WRITE_GRADIENT=write_gradient, BLOCK_V=CE_BLOCK_V, FROM_PARTIALS=partials is not None,
-        BLOCK_P=triton.next_power_of_2(n_parts), num_warps=CE_NUM_WARPS)
+        BLOCK_P=next_power_of_2(n_parts), num_warps=CE_NUM_WARPS)
 
 # Faster kernels for some inputs, registered by a later module (rtrainer.moe_hopper on import): 'logits' is
 # fn(h, weight, transposed, vocab_size) -> (logits (rows, VP), partials) for a chunk h (rows, D), the head `weight`
@@ -271,10 +276,10 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         row_loss = torch.empty(N, dtype=torch.float32, device=hidden.device)
         dhidden = torch.empty_like(hidden) if compute_gradients else None
         dweight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if compute_gradients else None
+        fast = FAST_PATHS.get("logits")
         for chunk, start in enumerate(range(0, N, CE_CHUNK_ROWS)):
             end = min(start + CE_CHUNK_ROWS, N)
             h = hidden[start:end]
-            fast = FAST_PATHS.get("logits")
             out = fast(h, weight, transposed, vocab_size) if fast else None
             logits, partials = out if out is not None else (gemm(h, head), None)   # (rows, VP)
             cross_entropy_rows(logits, targets[start:end], row_loss[start:end], inv_count,

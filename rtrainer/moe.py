@@ -35,7 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from . import matmul  # noqa: F401 (registers the "linear" op that the shared expert runs)
-from .kernels import (INTERPRETING, KERNELS_CAN_RUN, cdiv, launch, register_op, get_op, resolve_impl, at_least_fp32, swiglu_reference,
+from .kernels import (INTERPRETING, KERNELS_CAN_RUN, cdiv, next_power_of_2, launch, register_op, get_op, resolve_impl, at_least_fp32, swiglu_reference,
                               swiglu_forward, SWIGLU_BLOCK, SWIGLU_NUM_WARPS, weight_grad_buffer, finish_weight_grad, start_gradient_step,
                               gradient_fp32, median_ms, sustained_ms, peak_bytes, alternation, ratio_interval, save_results, knob_values,
                               _program_count)
@@ -409,7 +409,7 @@ def gather_rows_triton(src, index):
     "out (R, D): out[r] = src[index[r]], a zero row where index[r] < 0."
     R, D = index.shape[0], src.shape[1]
     out = torch.empty(R, D, dtype=src.dtype, device=src.device)
-    launch(gather_rows_kernel, (R,), src, index, out, D, BLOCK_D=min(ROW_BLOCK, triton.next_power_of_2(D)))
+    launch(gather_rows_kernel, (R,), src, index, out, D, BLOCK_D=min(ROW_BLOCK, next_power_of_2(D)))
     return out
 
 COMBINE_ROUTER_TILE = (32, 128)   # (tokens, columns) per program when the router's dx is added: its router tile serves 32 tokens
@@ -430,7 +430,7 @@ def combine_rows_triton(src, assignment_rows, weights=None, out_dtype=None, rout
     else:
         dlogits = router = src                      # not read (E = 0)
         E = 0
-    block_t, block_d = COMBINE_ROUTER_TILE if E else (1, min(ROW_BLOCK, triton.next_power_of_2(D)))
+    block_t, block_d = COMBINE_ROUTER_TILE if E else (1, min(ROW_BLOCK, next_power_of_2(D)))
     launch(combine_rows_kernel, (cdiv(N, block_t), cdiv(D, block_d)),
         src, assignment_rows, weights if weights is not None else src, dlogits, router, out, N, D,
         TOP_K=top_k, HAS_WEIGHTS=weights is not None, E=E, BLOCK_T=block_t, BLOCK_D=block_d)
@@ -584,7 +584,7 @@ def router_backward_kernel(gw_ptr, tw_ptr, te_ptr, probs_ptr, gp_ptr, gp_stride_
     grad_logits = probs * (grad - tl.sum(probs * grad, 1)[:, None])   # softmax's backward
     tl.store(out_ptr + rows[:, None] * E + experts[None, :], grad_logits, mask=mask)
 
-def _router_e_pad(E): return max(16, triton.next_power_of_2(E))   # tl.dot wants at least 16 columns
+def _router_e_pad(E): return max(16, next_power_of_2(E))   # tl.dot wants at least 16 columns
 
 def _router_kernels_apply(x, router):
     return router.dtype == torch.float32 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
@@ -599,7 +599,7 @@ def _route_kernel(x, router, out, experts, weights, top_k):
     if E <= ROUTER_ROWDOT_MAX_E:
         NC, G, R, warps = ROUTER_ROWDOT
         launch(router_rowdot_kernel, (cdiv(N, G * R),), x, router.t().contiguous(), out, experts, weights, N, D, E=E,
-                                                       E_PAD=max(2, triton.next_power_of_2(E)), TOP_K=top_k, NC=NC, G=G,
+                                                       E_PAD=max(2, next_power_of_2(E)), TOP_K=top_k, NC=NC, G=G,
                                                        R=R, EVEN=N % (G * R) == 0 and D % (NC * 4) == 0, num_warps=warps)
     else:
         launch(router_logits_kernel, (cdiv(N, ROUTER_BLOCK_ROWS),), x, router, out, experts, weights, N, D, E,
@@ -643,7 +643,7 @@ def router_backward_triton(grad_weights, top_weights, top_experts, probs, grad_p
     launch(router_backward_kernel, (cdiv(N, ROUTER_BLOCK_ROWS),),
         grad_weights.float().contiguous(), top_weights.contiguous(), top_experts.contiguous(), probs.contiguous(), grad_probs,
         grad_probs.stride(0), grad_probs.stride(1), grad_logits, N, E, TOP_K=top_k, BLOCK_ROWS=ROUTER_BLOCK_ROWS,
-        E_PAD=triton.next_power_of_2(E))
+        E_PAD=next_power_of_2(E))
     return grad_logits
 
 def router_weight_grad_triton(x, grad_logits, router):
@@ -904,7 +904,7 @@ def capacity_plan(top_experts, n_experts, capacity_factor):
     kept = torch.empty(n_experts, dtype=torch.int32, device=dev)
     launch(capacity_plan_kernel, (n_experts,), top_experts.contiguous(), row_assignment, row_token, assignment_rows, bounds, kept,
                                        A, capacity, n_experts, TOP_K=top_k,
-                                       BLOCK=min(PLAN_BLOCK, triton.next_power_of_2(max(A, capacity, 1))), num_warps=8)
+                                       BLOCK=min(PLAN_BLOCK, next_power_of_2(max(A, capacity, 1))), num_warps=8)
     return RoutingPlan(row_token=row_token, row_assignment=row_assignment, assignment_rows=assignment_rows,
                        group_starts=bounds[0], group_ends=bounds[1],
                        dropped_fraction=1 - kept.sum() / max(A, 1), capacity=capacity)
@@ -966,11 +966,11 @@ def dropless_plan(top_experts, n_experts, row_align=1):
     A = N * top_k
     R = A + n_experts * (row_align - 1)
     row_assignment, row_token, assignment_rows, bounds = _plan_buffers(top_experts, n_experts, R)
-    e_block = triton.next_power_of_2(n_experts)
+    e_block = next_power_of_2(n_experts)
     launch(dropless_plan_kernel, (n_experts,), top_experts.contiguous(), row_assignment, row_token, assignment_rows, bounds,
                                        A, R, n_experts, row_align, TOP_K=top_k, E_BLOCK=e_block,
                                        COUNT_BLOCK=max(16, min(PLAN_BLOCK, PLAN_COUNT_ELEMENTS // e_block)),
-                                       BLOCK=min(PLAN_BLOCK, triton.next_power_of_2(max(A, 1))), num_warps=8)
+                                       BLOCK=min(PLAN_BLOCK, next_power_of_2(max(A, 1))), num_warps=8)
     return RoutingPlan(row_token=row_token, row_assignment=row_assignment, assignment_rows=assignment_rows,
                        group_starts=bounds[0], group_ends=bounds[1],
                        dropped_fraction=torch.zeros((), device=top_experts.device), row_align=row_align)
@@ -1019,7 +1019,7 @@ def routed_swiglu_backward(dact, hidden, row_assignment, weights):
                          f"{tuple(dact.shape)}, {tuple(hidden.shape)} and {tuple(row_assignment.shape)}")
     grad_weights = torch.zeros(weights.shape, dtype=torch.float32, device=dact.device)
     if R: launch(routed_swiglu_backward_kernel, (R,), dact, hidden, row_assignment, weights.contiguous(), grad_weights, FF,
-                                              BLOCK=min(SWIGLU_BLOCK, triton.next_power_of_2(FF)), num_warps=SWIGLU_NUM_WARPS)
+                                              BLOCK=min(SWIGLU_BLOCK, next_power_of_2(FF)), num_warps=SWIGLU_NUM_WARPS)
     return grad_weights
 
 def _expert_gemm(rows, weight, plan, backends, block_m, group_bounds=None):

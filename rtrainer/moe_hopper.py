@@ -252,8 +252,7 @@ def _launch(rows, weight, config, swiglu, out, groups=None, vocab_size=0):
     out = torch.empty(R, N, dtype=rows.dtype, device=rows.device) if out is None else out
     act = torch.empty(R, N // 2, dtype=rows.dtype, device=rows.device) if swiglu else None
     tiles_n = cdiv(N, block_n)                                               # N % block_n == 0 but for one group
-    parts = (torch.empty(R, tiles_n, dtype=torch.float32, device=rows.device), torch.empty(R, tiles_n, dtype=torch.float32,
-             device=rows.device)) if vocab_size else None
+    parts = torch.empty(2, R, tiles_n, dtype=torch.float32, device=rows.device).unbind() if vocab_size else None  # max, sum
     if groups is None:
         tiles_m = cdiv(R // E, block_m)                                      # capacity % block_m == 0 but for one group
         n_tiles = E * tiles_m * tiles_n
@@ -306,14 +305,16 @@ def hopper_logits(h, weight, transposed, vocab_size, config=GEMM_CONFIG):
     """(logits (R, VP) bf16, partials): h @ the head (see hopper_logits_refusal) and, per row and 256-column tile,
     the max of the logits below vocab_size and the sum of exp(logit - max), as `matmul.cross_entropy_rows` takes them."""
     if (why := hopper_logits_refusal(h, weight, transposed)): raise ValueError(f"hopper_logits: {why}")
+    return _logits(h, weight, transposed, vocab_size, config)
+
+def _logits(h, weight, transposed, vocab_size, config):
     out, _, parts = _launch(h, (weight.t() if transposed else weight).unsqueeze(0), config, False, None, vocab_size=vocab_size)
     return out, parts
 
 def _fast_logits(h, weight, transposed, vocab_size):
     if hopper_logits_refusal(h, weight, transposed): return None
     CALLS["logits"] += 1
-    out, _, parts = _launch(h, (weight.t() if transposed else weight).unsqueeze(0), GEMM_CONFIG, False, None, vocab_size=vocab_size)
-    return out, parts
+    return _logits(h, weight, transposed, vocab_size, GEMM_CONFIG)
 
 matmul.FAST_PATHS.update(logits=_fast_logits)
 
