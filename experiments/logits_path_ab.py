@@ -1,7 +1,7 @@
 """Does the Hopper logits path (03a's GEMM writing the log-sum-exp partials, so that the cross-entropy kernel reads
 each row of logits once) make the training step faster? The account: experiments/ce_lse_epilogue.md. The arms, each a
-fresh process, alternated over ROUNDS rounds, WARMUP steps and then STEPS timed ones, the default trainer (its step
-replayed as one CUDA graph):
+fresh process, alternated over ROUNDS rounds, WARMUP steps (at least the eager ones and the capture) and then STEPS
+timed ones, the default trainer (its step replayed as one CUDA graph):
 
   partials   the package as it is: the logits from matmul.FAST_PATHS["logits"] where it takes the chunk
   cuBLAS     the same with that entry removed: cuBLAS writes the logits and the kernel reads each row twice
@@ -17,14 +17,16 @@ ARMS = ("partials", "cuBLAS")
 
 def child(spec):
     from rtrainer import matmul, moe_hopper
+    from rtrainer.training import GRAPH_WARMUP_STEPS
     if spec["arm"] == "cuBLAS": del matmul.FAST_PATHS["logits"]
     trainer = synthetic_trainer(spec, cuda_graph="on")
+    warmup = max(spec["warmup"], GRAPH_WARMUP_STEPS + 1)     # the capture (the step after the eager ones) before the timing
     calls = moe_hopper.CALLS["logits"]
-    losses = [trainer.train_step(i)["loss"] for i in range(spec["warmup"])]
+    losses = [trainer.train_step(i)["loss"] for i in range(warmup)]
     torch.cuda.synchronize()
     took_path = moe_hopper.CALLS["logits"] > calls           # counted while the graph was captured
     t0 = time.perf_counter()
-    losses = [trainer.train_step(i)["loss"] for i in range(spec["warmup"], spec["warmup"] + spec["steps"])]
+    losses = [trainer.train_step(i)["loss"] for i in range(warmup, warmup + spec["steps"])]
     torch.cuda.synchronize()
     report(spec, time.perf_counter() - t0, losses, logits_path=took_path)
 
