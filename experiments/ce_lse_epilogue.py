@@ -12,20 +12,19 @@ bf16 logits it stores (so they match what the kernel reads). Arms, on one 4096-r
 (V, D) table, transposed) and `prof183m` (untied: (D, V)):
 - `cuBLAS + 3 passes`: the package as it ships (`matmul.gemm`, then `cross_entropy_rows`);
 - `Gluon + smem partials + 2 passes`: the GEMM whose epilogue reads the stored bf16 tile back from shared memory in
-  64-column chunks for the partials, then the one-read kernel below;
+  64-column chunks for the partials, then the package's row kernel from them (`cross_entropy_rows(partials=)`);
 - `Gluon + reg partials + 2 passes`: the partials from the bf16 tile still in registers, all 256 columns at once;
 - `Gluon + 3 passes`: the Gluon GEMM in cuBLAS's place, nothing else changed;
 - and each part alone: cuBLAS, the Gluon GEMM with each epilogue, the 3-pass and the 2-pass kernels.
 Everything is checked against float64 (logits, loss rows, gradient) before it is timed.
 
 `python experiments/ce_lse_epilogue.py` on an H100/H200 (ROUNDS, default 5, arms alternated, median_ms per call).
-On a CPU: `TRITON_INTERPRET=1` checks the 2-pass kernel from partials computed in PyTorch; `--compile` compiles the
-Gluon kernel for sm_90 (`sm90_compile.py`) and prints its registers and spills. Writes $OUT/ce_lse_epilogue.json when
-OUT is set. This is an experiment, not part of rtrainer."""
+On a CPU: `TRITON_INTERPRET=1` checks the 2-pass kernel from partials computed in PyTorch
+(`matmul.logit_partials_reference`); `--compile` compiles the Gluon kernel for sm_90 (`sm90_compile.py`) and prints
+its registers and spills. Writes $OUT/ce_lse_epilogue.json when OUT is set. This is an experiment, not part of
+rtrainer."""
 import json, os, sys
 import torch
-import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
@@ -38,7 +37,7 @@ ROUNDS = int(os.environ.get("ROUNDS", 5))
 IGNORE = -100
 CONFIG = H.GEMM_CONFIG                      # (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M)
 SHAPES = {"rb100m": (4096, 768, 32004, 32064, True), "prof183m": (4096, 1536, 50257, 50432, False),   # rows, D, V, VP, tied
-          "dense1b": (4096, 2048, 50257, 50432, False), "moe4b": (4096, 3072, 50257, 50432, False)}   # not yet run
+          "dense1b": (4096, 2048, 50257, 50432, False), "moe4b": (4096, 3072, 50257, 50432, False)}
 CHECK_SHAPES = ((77, 1000, 1024), (5, 300, 320))   # the 2-pass kernel on a CPU: rows, V, VP
 BASELINE = {"cuBLAS + 3 passes": "cuBLAS + 3 passes", "Gluon + 3 passes": "cuBLAS + 3 passes",
             "Gluon + smem partials + 2 passes": "cuBLAS + 3 passes", "Gluon + reg partials + 2 passes": "cuBLAS + 3 passes",
@@ -155,43 +154,6 @@ def gemm_partials(h, weight, V, tied, partials=2, logits=None, parts=None):
         PARTIALS=partials, REGS=H.CONSUMER_REGS, num_warps=4)
     return logits, parts if partials else None
 
-@triton.jit
-def ce_rows_from_partials_kernel(logits_ptr, targets_ptr, row_loss_ptr, inv_count_ptr, part_max_ptr, part_sum_ptr,
-                                 stride_row, n_parts, vocab_size, padded_vocab_size, ignore_index,
-                                 BLOCK_P: tl.constexpr, BLOCK_V: tl.constexpr):
-    "The package kernel with its first pass replaced by the GEMM's partials: one read of the logits, one write."
-    row = tl.program_id(0).to(tl.int64)
-    base = logits_ptr + row * stride_row
-    target = tl.load(targets_ptr + row)
-    valid = target != ignore_index
-    p = tl.arange(0, BLOCK_P)
-    pm = tl.load(part_max_ptr + row * n_parts + p, mask=p < n_parts, other=float("-inf"))
-    ps = tl.load(part_sum_ptr + row * n_parts + p, mask=p < n_parts, other=0.0)
-    m = tl.max(pm, 0)
-    lse = m + tl.log(tl.sum(ps * tl.exp(pm - m), 0))
-    target_logit = tl.load(base + tl.where(valid, target, 0)).to(tl.float32)
-    tl.store(row_loss_ptr + row, tl.where(valid, lse - target_logit, 0.0))
-    scale = tl.where(valid, tl.load(inv_count_ptr), 0.0)
-    for start in range(0, padded_vocab_size, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        z = tl.load(base + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
-        grad = tl.exp(z - lse) - tl.where(cols == target, 1.0, 0.0)
-        tl.store(base + cols, (grad * scale).to(logits_ptr.dtype.element_ty), mask=cols < padded_vocab_size)
-
-def ce_from_partials(logits, targets, row_loss, inv_count, V, parts):
-    n_parts = parts[0].shape[1]
-    ce_rows_from_partials_kernel[(logits.shape[0],)](logits, targets, row_loss, inv_count, *parts, logits.stride(0), n_parts, V,
-                                                     logits.shape[1], IGNORE, BLOCK_P=triton.next_power_of_2(n_parts),
-                                                     BLOCK_V=M.CE_BLOCK_V, num_warps=M.CE_NUM_WARPS)
-
-def torch_partials(logits, V, block_n):
-    "What the epilogue writes, in PyTorch: per row and column tile of block_n, the max and sum of exp(z - max), z < V."
-    z = logits.float().masked_fill(torch.arange(logits.shape[1], device=logits.device) >= V, float("-inf"))
-    tiles = cdiv(logits.shape[1], block_n)
-    z = torch.nn.functional.pad(z, (0, tiles * block_n - z.shape[1]), value=float("-inf")).view(len(z), tiles, block_n)
-    m = z.amax(-1)
-    return m, (z - m[..., None]).exp().sum(-1)
-
 def inputs(rows, D, V, VP, tied, device, seed=0):
     "bf16 hidden (rows, D) and head whose logits spread like a trained head's; targets with ignored rows; 1 / kept count."
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -217,7 +179,7 @@ def check_cpu():
         logits = (h.float() @ w.float().t()).to(torch.bfloat16)
         ref_loss, ref_grad = reference(logits, targets, inv_count, V)
         row_loss = torch.full((rows,), float("nan"))
-        ce_from_partials(logits, targets, row_loss, inv_count, V, torch_partials(logits, V, 256))
+        M.cross_entropy_rows(logits, targets, row_loss, inv_count, V, IGNORE, True, partials=M.logit_partials_reference(logits, V, 256))
         out.append((check_close(f"2 passes at {rows}x{V}, loss", row_loss, ref_loss, TOLERANCE[torch.float32]),
                     check_close(f"2 passes at {rows}x{V}, gradient", logits, ref_grad, TOLERANCE[torch.bfloat16])))
     return out
@@ -229,12 +191,12 @@ def check_gpu(rows, D, V, VP, tied, partials):
     exact = h.double() @ (w.double().t() if tied else w.double())
     where = f"{rows}x{D}x{VP}{' tied' if tied else ''}, epilogue {partials}"
     e_logits = check_close(f"{where}, logits", logits, exact, TOLERANCE[torch.bfloat16])
-    ref_max, ref_sum = torch_partials(logits, V, CONFIG[1])
+    ref_max, ref_sum = M.logit_partials_reference(logits, V, CONFIG[1])
     e_parts = (check_close(f"{where}, partial max", parts[0], ref_max, TOLERANCE[torch.float32] * 10),
                check_close(f"{where}, partial sum", parts[1], ref_sum, TOLERANCE[torch.float32] * 10))
     ref_loss, ref_grad = reference(logits, targets, inv_count, V)
     row_loss = torch.full((rows,), float("nan"), device="cuda")
-    ce_from_partials(logits, targets, row_loss, inv_count, V, parts)
+    M.cross_entropy_rows(logits, targets, row_loss, inv_count, V, IGNORE, True, partials=parts)
     return dict(logits=e_logits, partials=max(e_parts),
                 loss=check_close(f"{where}, loss", row_loss, ref_loss, TOLERANCE[torch.float32]),
                 gradient=check_close(f"{where}, gradient", logits, ref_grad, TOLERANCE[torch.bfloat16]))
@@ -250,7 +212,7 @@ def arms(h, w, targets, inv_count, V, tied, row_loss):
     gluon_plain = lambda: gemm_partials(h, w, V, tied, partials=0, logits=logits)
     gluon_smem = lambda: gemm_partials(h, w, V, tied, partials=1, logits=logits, parts=parts)
     gluon_regs = lambda: gemm_partials(h, w, V, tied, partials=2, logits=logits, parts=parts)
-    ce2 = lambda: ce_from_partials(logits, targets, row_loss, inv_count, V, parts)
+    ce2 = lambda: M.cross_entropy_rows(logits, targets, row_loss, inv_count, V, IGNORE, True, partials=parts)
     return {"cuBLAS + 3 passes": lambda: (cublas(), ce3()), "Gluon + 3 passes": lambda: (gluon_plain(), ce3()),
             "Gluon + smem partials + 2 passes": lambda: (gluon_smem(), ce2()),
             "Gluon + reg partials + 2 passes": lambda: (gluon_regs(), ce2()),
