@@ -1,5 +1,5 @@
 """What the trainer experiment scripts share (`step_sync_check.py`, `graph_step_check.py`, in experiments/): their command line, a
-Trainer on synthetic data for an arm's process, the arm's result line, and the alternated rounds of fresh processes,
+Trainer on synthetic data for an arm's process, its warm-up, the arm's result line, and the alternated rounds of fresh processes,
 summarized with the profiling chapter's `summarize_pairs` and `print_summary` and written to $OUT/NAME.json."""
 import argparse, json, math, os, subprocess, sys, tempfile, time
 import torch
@@ -29,6 +29,11 @@ def synthetic_trainer(spec, **train_config):
                        **{"cuda_graph": "off", **train_config})   # eager steps unless an arm asks for the graph
     mcfg = model_config(spec["config"], max_seq_len=max(spec["seq_len"], model_config(spec["config"]).max_seq_len))
     return Trainer(tcfg, mcfg, log=lambda *a: None)
+
+def warmup_steps(spec):
+    "Steps to run before timing: spec's warm-up, and at least the trainer's eager steps and its CUDA graph's capture."
+    from rtrainer.training import GRAPH_WARMUP_STEPS
+    return max(spec["warmup"], GRAPH_WARMUP_STEPS + 1)
 
 def report(spec, seconds, losses, **extra):
     "Print the arm's result line: tokens/s over `seconds` of spec['steps'] steps, or a status if a loss is not finite."

@@ -14,13 +14,13 @@ $OUT/graph_step_check.json when OUT is set. `--device cpu --config tiny --arms t
 on a CPU (TRITON_INTERPRET=1)."""
 import json, sys, time
 import torch
-from arm_rounds import arguments, synthetic_trainer, report, alternated_rounds
+from arm_rounds import arguments, synthetic_trainer, warmup_steps, report, alternated_rounds
 
 ARMS = ("trainer", "persistent", "graph")
 
 def child(spec):
     import rtrainer.optimizer as optimizer
-    from rtrainer.training import CapturedStep, GRAPH_WARMUP_STEPS
+    from rtrainer.training import CapturedStep
     arm = spec["arm"]
     trainer = synthetic_trainer(spec, cuda_graph=arm == "graph")
     if arm == "persistent": trainer.captured = CapturedStep(trainer, capture=False)
@@ -28,7 +28,7 @@ def child(spec):
     sync = (lambda: torch.cuda.synchronize(trainer.device)) if cuda else (lambda: None)
     losses = []
     def step(i): losses.append(trainer.train_step(i)["loss"])
-    warmup = max(spec["warmup"], GRAPH_WARMUP_STEPS + 1)
+    warmup = warmup_steps(spec)
     for i in range(warmup): step(i)
     sync(); del losses[:]
     builds = dict(optimizer.TABLE_BUILDS)

@@ -11,16 +11,15 @@ interval. `python experiments/logits_path_ab.py [--config prof183m] [--batch-siz
 suite stage logits-ab); writes $OUT/logits_path_ab.json when OUT is set."""
 import json, sys, time
 import torch
-from arm_rounds import arguments, synthetic_trainer, report, alternated_rounds
+from arm_rounds import arguments, synthetic_trainer, warmup_steps, report, alternated_rounds
 
 ARMS = ("partials", "cuBLAS")
 
 def child(spec):
     from rtrainer import matmul, moe_hopper
-    from rtrainer.training import GRAPH_WARMUP_STEPS
     if spec["arm"] == "cuBLAS": del matmul.FAST_PATHS["logits"]
     trainer = synthetic_trainer(spec, cuda_graph="on")
-    warmup = max(spec["warmup"], GRAPH_WARMUP_STEPS + 1)     # the capture (the step after the eager ones) before the timing
+    warmup = warmup_steps(spec)
     calls = moe_hopper.CALLS["logits"]
     losses = [trainer.train_step(i)["loss"] for i in range(warmup)]
     torch.cuda.synchronize()
