@@ -4,8 +4,9 @@ phases it synchronizes and whose launch gaps are partly the profiler's; this is 
 The question, the runs and the answer: experiments/graph_step_profile.md.
 
 Per configuration, in a fresh process: the trainer with cuda_graph="on", its warm-up and capture (arm_rounds.warmup_steps),
-STEPS replayed steps timed with CUDA events, then one replayed step under torch.profiler (CUDA activity only). The kernels
-of that step are sorted into families as the roofline does (`kernel_family`); the idle time is the sum of the gaps between
+STEPS replayed steps timed with CUDA events, then one replayed step after a second's rest under torch.profiler (CUDA
+activity only), then STEPS more back to back under it; nvidia-smi samples the SM clock and the power. The kernels of the
+one step are sorted into families as the roofline does (`kernel_family`); the idle time is the sum of the gaps between
 them (`device_gaps`); the floors are `roofline_report`'s at the ceilings the process measures after the step's memory is
 freed (`measure_ceilings`).
 
@@ -16,11 +17,29 @@ import torch
 
 RESULT = "PROFILE_RESULT "
 
+def sm_clocks(path, windows):
+    "{window: (mean SM MHz, mean W, samples)} of nvidia-smi's samples inside each (start, end) wall-clock window."
+    from datetime import datetime
+    samples = []
+    for line in open(path):
+        parts = [p.strip() for p in line.split(",")]
+        try: samples.append((datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp(), float(parts[1]), float(parts[2])))
+        except (ValueError, IndexError): continue
+    out = {}
+    for name, (t0, t1) in windows.items():
+        inside = [(mhz, w) for t, mhz, w in samples if t0 <= t <= t1]
+        out[name] = (sum(m for m, _ in inside) / len(inside), sum(w for _, w in inside) / len(inside), len(inside)) if inside else None
+    return out
+
 def child(spec):
     from torch.profiler import ProfilerActivity, profile as torch_profile
     from arm_rounds import synthetic_trainer, warmup_steps
     from rtrainer.profiling import device_gaps, measure_ceilings, roofline_report
     from rtrainer.model import model_config
+    smi_log = os.path.join(spec["out_dir"], "clocks.csv")   # the SM clock and the power, every 100 ms, through the run
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                            "-lms", "100"], stdout=open(smi_log, "w"), stderr=subprocess.DEVNULL)
+    windows = {}
     trainer = synthetic_trainer(spec, cuda_graph="on")
     device = trainer.device
     sync = lambda: torch.cuda.synchronize(device)
@@ -30,18 +49,31 @@ def child(spec):
     sync()
     if trainer.captured is None or trainer.captured.graph is None: raise SystemExit("the step was not captured in a CUDA graph")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    kernels_of = lambda prof: [(e.name(), e.linked_correlation_id(), e.duration_ns(), e.start_ns())
+                               for e in prof.profiler.kineto_results.events() if e.device_type() != torch.autograd.DeviceType.CPU]
+    t0 = time.time(); start.record()
     for i in range(warmup, warmup + spec["steps"]): losses.append(trainer.train_step(i)["loss"])
-    end.record(); sync()
+    end.record(); sync(); windows["timed"] = (t0, time.time())
     step_ms = start.elapsed_time(end) / spec["steps"]
     at = warmup + spec["steps"]
+    time.sleep(1.0)                       # the device idles, as before `rtrainer profile`'s one step
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        start.record(); losses.append(trainer.train_step(at)["loss"]); end.record(); sync()
+        t0 = time.time(); start.record(); losses.append(trainer.train_step(at)["loss"]); end.record(); sync()
+        windows["one step"] = (t0, time.time())
     profiled_ms = start.elapsed_time(end)
-    events = [(e.name(), e.linked_correlation_id(), e.duration_ns(), e.start_ns()) for e in prof.profiler.kineto_results.events()
-              if e.device_type() != torch.autograd.DeviceType.CPU]
+    events = kernels_of(prof)
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:   # the same steps back to back, as in training
+        t0 = time.time(); start.record()
+        for i in range(at + 1, at + 1 + spec["steps"]): losses.append(trainer.train_step(i)["loss"])
+        end.record(); sync(); windows["profiled run"] = (t0, time.time())
+    run_events = kernels_of(prof)
+    run_idle, _ = device_gaps(run_events, top=0)
+    run = dict(step_ms=start.elapsed_time(end) / spec["steps"], kernel_sum_ms=sum(e[2] for e in run_events) / 1e6 / spec["steps"],
+               device_idle_ms=run_idle / spec["steps"], kernels=len(run_events) / spec["steps"])
     losses = [float(v) for v in losses]
     del trainer, prof; gc.collect(); torch.cuda.empty_cache()
+    smi.terminate(); smi.wait()
+    clocks = sm_clocks(smi_log, windows)
     ceilings = measure_ceilings(device)
     totals, calls = {}, {}
     for name, _, ns, _ in events: totals[name] = totals.get(name, 0.0) + ns / 1e6; calls[name] = calls.get(name, 0) + 1
@@ -55,7 +87,7 @@ def child(spec):
     report = roofline_report(model_config(spec["config"]), spec["batch_size"], spec["seq_len"], profile)
     print(RESULT + json.dumps(dict(
         config=spec["config"], batch_size=spec["batch_size"], seq_len=spec["seq_len"], steps=spec["steps"], losses=losses,
-        step_ms=step_ms, profiled_step_ms=profiled_ms, kernels=len(events), kernel_sum_ms=profile["kernel_sum_ms"],
+        step_ms=step_ms, profiled_step_ms=profiled_ms, profiled_run=run, clocks=clocks, kernels=len(events), kernel_sum_ms=profile["kernel_sum_ms"],
         device_idle_ms=idle_ms, busy_span_ms=(max(e[3] + e[2] for e in events) - starts[0]) / 1e6 if events else None,
         gaps=len(small_gaps), median_gap_us=sorted(small_gaps)[len(small_gaps) // 2] / 1e3 if small_gaps else None,
         largest_gaps=gaps, ceilings=ceilings, roofline=report, rows=rows[:60])), flush=True)
@@ -82,6 +114,10 @@ def main():
         print(f"\n{config} B={res['batch_size']}: {res['kernels']} kernels, step {res['step_ms']:.2f} ms "
               f"(profiled {res['profiled_step_ms']:.2f}), kernels {res['kernel_sum_ms']:.2f}, idle {res['device_idle_ms']:.2f} ms "
               f"in {res['gaps']} gaps (median {res['median_gap_us']:.2f} us); losses {[round(v, 3) for v in res['losses'][-3:]]}")
+        r = res["profiled_run"]
+        print(f"  {res['steps']} steps back to back under the profiler: {r['step_ms']:.2f} ms a step, kernels {r['kernel_sum_ms']:.2f}, "
+              f"idle {r['device_idle_ms']:.2f}; SM MHz / W (samples): " +
+              ", ".join(f"{k} {v[0]:.0f} / {v[1]:.0f} ({v[2]})" for k, v in res["clocks"].items() if v))
         for g in res["largest_gaps"][:4]: print(f"  gap {g['us']:8.1f} us at {g['at_ms']:8.3f} ms after {g['after'][:60]!r} before {g['before'][:60]!r}")
     print(f"\n{'config':9} {'step ms':>8} {'floor':>7} {'kernels':>8} {'idle':>6} {'rest':>6} " +
           " ".join(f"{f[:10]:>10}" for f in ("GEMM", "attention", "norms and pointwise", "MoE routing", "optimizer", "other")) + "   (family: measured - floor, ms)")
