@@ -127,7 +127,8 @@ def main():
         fam = {f["family"]: f["gap_ms"] for f in rep["families"]}
         print(f"{res['config']:9} {m['step_ms']:8.2f} {rep['floor_ms']:7.2f} {m['kernel_sum_ms']:8.2f} {m['launch_gaps_ms']:6.2f} "
               f"{m['remainder_ms']:6.2f} " + " ".join(f"{fam[f]:10.2f}" for f in fam))
-    out = dict(date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), torch=torch.__version__, device=torch.cuda.get_device_name(),
+    import triton
+    out = dict(date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), torch=torch.__version__, triton=triton.__version__, device=torch.cuda.get_device_name(),
                commit=os.environ.get("RTRAINER_COMMIT"), method=__doc__.split("\n\n")[1].replace("\n", " "), results=results)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "graph_step_profile.json"), "w") as f: json.dump(out, f, indent=1)
