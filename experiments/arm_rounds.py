@@ -1,6 +1,7 @@
 """What the trainer experiment scripts share (`step_sync_check.py`, `graph_step_check.py`, in experiments/): their command line, a
 Trainer on synthetic data for an arm's process, its warm-up, the arm's result line, and the alternated rounds of fresh processes,
-summarized with the profiling chapter's `summarize_pairs` and `print_summary` and written to $OUT/NAME.json."""
+summarized with the profiling chapter's `summarize_pairs` and `print_summary` and written to $OUT/NAME.json. Also the reader of
+an nvidia-smi clock and power log (`smi_samples`), for them and `attention_sustained.py`."""
 import argparse, json, math, os, subprocess, sys, tempfile, time
 import torch
 
@@ -34,6 +35,17 @@ def warmup_steps(spec):
     "Steps to run before timing: spec's warm-up, and at least the trainer's eager steps and its CUDA graph's capture."
     from rtrainer.training import GRAPH_WARMUP_STEPS
     return max(spec["warmup"], GRAPH_WARMUP_STEPS + 1)
+
+def smi_samples(path):
+    """The samples of an `nvidia-smi --query-gpu=timestamp,... --format=csv,noheader,nounits -lms N` log: (host seconds,
+    value, ...) tuples, the timestamp read as the host's local time (as `time.time()` counts); other lines skipped."""
+    from datetime import datetime
+    samples = []
+    for line in open(path):
+        parts = [p.strip() for p in line.split(",")]
+        try: samples.append((datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp(), *map(float, parts[1:])))
+        except (ValueError, IndexError): continue       # a line nvidia-smi wrote otherwise
+    return samples
 
 def report(spec, seconds, losses, **extra):
     "Print the arm's result line: tokens/s over `seconds` of spec['steps'] steps, or a status if a loss is not finite."

@@ -72,14 +72,9 @@ def clock_summary(folder):
     """Mean SM clock (MHz), power (W) and temperature of every (shape, regime, arm) window of a run, from FOLDER's
     attention_sustained.json (its timeline) and gpu_clocks.csv (nvidia-smi every 50 ms, same host clock); the first
     0.1 s of each window is skipped. Runs on any machine: `python experiments/attention_sustained.py --clocks FOLDER`."""
-    import datetime
+    from arm_rounds import smi_samples
     run = json.load(open(os.path.join(folder, "attention_sustained.json")))
-    samples = []
-    for line in open(os.path.join(folder, "gpu_clocks.csv")):
-        parts = [p.strip() for p in line.split(",")]
-        try: stamp = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").replace(tzinfo=datetime.timezone.utc)
-        except (ValueError, IndexError): continue       # a line nvidia-smi wrote otherwise
-        samples.append((stamp.timestamp(), *map(float, parts[1:4])))
+    samples = smi_samples(os.path.join(folder, "gpu_clocks.csv"))
     windows = {}
     for shape, arm, regime, start, end in run["timeline"]:
         windows.setdefault((shape, regime, arm), []).extend(s for s in samples if start + 0.1 <= s[0] <= end)

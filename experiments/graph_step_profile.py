@@ -19,13 +19,8 @@ RESULT = "PROFILE_RESULT "
 
 def sm_clocks(path, windows):
     "{window: (mean SM MHz, mean W, samples)} of nvidia-smi's samples inside each (start, end) wall-clock window."
-    from datetime import datetime
-    samples = []
-    for line in open(path):
-        parts = [p.strip() for p in line.split(",")]
-        try: samples.append((datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp(), float(parts[1]), float(parts[2])))
-        except (ValueError, IndexError): continue
-    out = {}
+    from arm_rounds import smi_samples
+    samples, out = smi_samples(path), {}
     for name, (t0, t1) in windows.items():
         inside = [(mhz, w) for t, mhz, w in samples if t0 <= t <= t1]
         out[name] = (sum(m for m, _ in inside) / len(inside), sum(w for _, w in inside) / len(inside), len(inside)) if inside else None
@@ -34,7 +29,7 @@ def sm_clocks(path, windows):
 def child(spec):
     from torch.profiler import ProfilerActivity, profile as torch_profile
     from arm_rounds import synthetic_trainer, warmup_steps
-    from rtrainer.profiling import device_gaps, measure_ceilings, roofline_report
+    from rtrainer.profiling import _kineto_lists, attribute_device_events, device_gaps, measure_ceilings, roofline_report
     from rtrainer.model import model_config
     smi_log = os.path.join(spec["out_dir"], "clocks.csv")   # the SM clock and the power, every 100 ms, through the run
     smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader,nounits",
@@ -49,8 +44,7 @@ def child(spec):
     sync()
     if trainer.captured is None or trainer.captured.graph is None: raise SystemExit("the step was not captured in a CUDA graph")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    kernels_of = lambda prof: [(e.name(), e.linked_correlation_id(), e.duration_ns(), e.start_ns())
-                               for e in prof.profiler.kineto_results.events() if e.device_type() != torch.autograd.DeviceType.CPU]
+    kernels_of = lambda prof: _kineto_lists(prof)[2]     # (name, correlation id, ns, start ns) of each device event
     t0 = time.time(); start.record()
     for i in range(warmup, warmup + spec["steps"]): losses.append(trainer.train_step(i)["loss"])
     end.record(); sync(); windows["timed"] = (t0, time.time())
@@ -75,22 +69,17 @@ def child(spec):
     smi.terminate(); smi.wait()
     clocks = sm_clocks(smi_log, windows)
     ceilings = measure_ceilings(device)
-    totals, calls = {}, {}
-    for name, _, ns, _ in events: totals[name] = totals.get(name, 0.0) + ns / 1e6; calls[name] = calls.get(name, 0) + 1
-    rows = sorted(({"name": f"graph.{n}", "ms": ms, "calls": calls[n]} for n, ms in totals.items()), key=lambda r: -r["ms"])
-    idle_ms, gaps = device_gaps(events, top=8)
-    starts = sorted(e[3] for e in events)
-    timed = sorted((e[3], e[3] + e[2]) for e in events)
-    small_gaps = [b[0] - a[1] for a, b in zip(timed, timed[1:]) if b[0] > a[1]]
+    rows = attribute_device_events([], {}, events)   # a replayed graph has no phase ranges: every row is 'other.KERNEL'
+    idle_ms, gaps = device_gaps(events, top=len(events))
+    gap_us = sorted(g["us"] for g in gaps)
     profile = dict(rows=rows, kernel_sum_ms=sum(r["ms"] for r in rows), full_step_without_profiler_ms=step_ms,
                    device_idle_ms=idle_ms, ceilings=ceilings)
     report = roofline_report(model_config(spec["config"]), spec["batch_size"], spec["seq_len"], profile)
     print(RESULT + json.dumps(dict(
         config=spec["config"], batch_size=spec["batch_size"], seq_len=spec["seq_len"], steps=spec["steps"], losses=losses,
         step_ms=step_ms, profiled_step_ms=profiled_ms, profiled_run=run, clocks=clocks, kernels=len(events), kernel_sum_ms=profile["kernel_sum_ms"],
-        device_idle_ms=idle_ms, busy_span_ms=(max(e[3] + e[2] for e in events) - starts[0]) / 1e6 if events else None,
-        gaps=len(small_gaps), median_gap_us=sorted(small_gaps)[len(small_gaps) // 2] / 1e3 if small_gaps else None,
-        largest_gaps=gaps, ceilings=ceilings, roofline=report, rows=rows[:60])), flush=True)
+        device_idle_ms=idle_ms, gaps=len(gap_us), median_gap_us=gap_us[len(gap_us) // 2] if gap_us else None,
+        largest_gaps=gaps[:8], ceilings=ceilings, roofline=report, rows=rows[:60])), flush=True)
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
