@@ -132,8 +132,10 @@ def add_profile_arguments(p):
     add_batch_arguments(p)
     p.add_argument("--impl", default="auto", choices=["auto", "torch", "triton"], help=IMPL_HELP)
     p.add_argument("--vocab-size", type=int, default=None, help="model override (small vocabularies for quick checks)")
+    p.add_argument("--cuda-graph", action="store_true", help="profile the step as training runs it, replayed as one CUDA graph, "
+                   "over 10 steps back to back (kernels per step, no phases; ceilings measured back to back too; a GPU only)")
     p.add_argument("--baseline-ref", default=None, help="also profile this git ref in a worktree and compare")
-    p.add_argument("--out", default=None, help="JSON report (default runs/profile-CONFIG.json)")
+    p.add_argument("--out", default=None, help="JSON report (default runs/profile-CONFIG.json, runs/profile-graph-CONFIG.json)")
     p.add_argument("--top", type=int, default=40, help="rows in the table")
     p.add_argument("--json-only", action="store_true", help="print only the JSON report (for --baseline-ref)")
 

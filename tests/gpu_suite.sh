@@ -41,6 +41,7 @@ for s in "$@"; do case $s in
   sweep-*)   k=${s#sweep-}; v=SWEEP_${k^^}; z=SIZES_${k^^}; stage "sweep_$k" ${SWEEPS_LIMIT:-150} $RT sweep "$k" "${!v}" ${!z:+--sizes ${!z}} ;;   # SWEEP_RMS_NORM='NUM_WARPS=4,...' SIZES_RMS_NORM='32768x3072 ...'
   matmul-ce) stage bench_matmul_ce 150 $PY -c "from rtrainer.matmul import benchmark_suite; benchmark_suite(chunk_rows=(2048,), gemm_models=())" ;;
   gemm-all)  stage bench_gemm_all ${GEMM_LIMIT:-240} $PY -c "from rtrainer.matmul import benchmark_suite; benchmark_suite(gemm_models=list(__import__('rtrainer.matmul').matmul.MODEL_SHAPES))" ;;
+  profile-graph-*) c=${s#profile-graph-}; stage "profile_graph_$c" 150 $RT profile --config "$c" --cuda-graph ;;   # the CUDA-graph step, 10 steps back to back, at sustained ceilings: data/results/profile_graph_CONFIG.json
   profile-*) c=${s#profile-}; stage "profile_$c" 120 $RT profile --config "$c" ;;
   e2e-*)     c=${s#e2e-}; b=$($PY -c "from rtrainer.model import REFERENCE_BATCH as R; print(R['$c'])"); stage "e2e_$c" ${E2E_LIMIT:-300} $PY tests/gpu_train_bench.py --arms $c:$b:torch,$c:$b:triton --rounds ${ROUNDS:-2} --steps ${STEPS:-10} --name "training_throughput_$c" ;;
   attention-quick) stage bench_attention_quick 90 $PY -c "from rtrainer.attention import benchmark_suite; benchmark_suite(quick=True)" ;;

@@ -3,7 +3,7 @@ import json, math
 import pytest, torch
 from rtrainer.model import model_config, parameter_counts, TransformerLm
 from rtrainer.training import NonFiniteLoss
-from rtrainer.profiling import (PHASES, profile_trainer, profile_step, attribute_device_events,
+from rtrainer.profiling import (PHASES, profile_trainer, profile_step, profile_graph_step, attribute_device_events,
                                 PlainTransformer, PlainAdamW, plain_parameter_counts, check_parameter_counts, dtype_census,
                                 versus, run_arm, ab, tokens_per_s_from_metrics, changed_rows)
 from rtrainer.kernels import ratio_interval, t_quantile_975   # the paired statistics live in the kernels chapter
@@ -29,6 +29,16 @@ def test_profile_command_writes_its_report(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["device"] == "cpu" and "gpu" in report and report["config"] == "tiny"
     assert "all ops" in capsys.readouterr().out
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal")
+def test_graph_profile_refused_on_a_cpu(capsys):
+    "`profile --cuda-graph` on a machine without a GPU: exit 2 and one line that says so; profile_graph_step refuses an eager trainer."
+    from rtrainer.cli import main
+    assert main(["profile", "--config", "tiny", "--cuda-graph", "--vocab-size", str(SMALL_VOCAB)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--cuda-graph needs a CUDA GPU" in err[0], err
+    with pytest.raises(ValueError, match="must be a CUDA graph on a GPU"):
+        profile_graph_step(profile_trainer("tiny", batch_size=2, seq_len=16, vocab_size=SMALL_VOCAB))
 
 def test_attribution_by_launch_time():
     ranges = [("forward", 0, 10), ("backward", 10, 50), ("optimizer", 60, 70)]

@@ -34,6 +34,28 @@ def test_profile_command_measures_this_gpu(tmp_path, monkeypatch):
     assert torch.cuda.get_device_name() in ceilings["source"] and saved["ceilings"] == saved["roofline"]["ceilings"] == ceilings
     assert 0 < saved["roofline"]["floor_ms"] < saved["roofline"]["measured"]["step_ms"]
 
+def test_graph_profile_is_the_replayed_step(tmp_path, monkeypatch):
+    """`rtrainer profile --cuda-graph`: the step replayed as one CUDA graph, profiled over 10 steps back to back. Every row is
+    a kernel of the graph, a whole number of calls a step (each replay runs the same kernels); its GEMMs, attention and
+    optimizer kernels are found; the kernels and the idle time between them fit in the step; the ceilings were measured
+    back to back; the record is profile_graph_tiny."""
+    import rtrainer.profiling as profiling
+    from rtrainer.cli import main
+    from rtrainer.profiling import GRAPH_PROFILE_STEPS, kernel_family
+    saved = {}
+    monkeypatch.setattr(profiling, "save_results", lambda name, rows, **extra: saved.update(extra, name=name) or tmp_path / name)
+    assert main(["profile", "--config", "tiny", "--cuda-graph", "--batch-size", "8", "--seq-len", "128", "--out", str(tmp_path / "g.json")]) == 0
+    report = json.loads((tmp_path / "g.json").read_text())
+    print({k: report[k] for k in ("full_step_ms", "unprofiled_step_ms", "kernel_sum_ms", "device_idle_ms")}, report["ceilings"], report["rows"][:3])
+    assert report["steps"] == GRAPH_PROFILE_STEPS and report["phases_ms"] == {} and math.isfinite(report["loss"])
+    assert all(r["name"].startswith("graph.") and isinstance(r["calls"], int) and r["calls"] >= 1 for r in report["rows"])
+    families = {kernel_family(r["name"]) for r in report["rows"]}
+    assert {"GEMM", "attention", "optimizer", "norms and pointwise"} <= families, families
+    assert 0 < report["kernel_sum_ms"] and report["device_idle_ms"] >= 0
+    assert report["kernel_sum_ms"] + report["device_idle_ms"] <= 1.02 * report["full_step_ms"]
+    assert "(sustained)" in report["ceilings"]["source"] and 100 < report["ceilings"]["gemm_tflops"] < 1000
+    assert saved["name"] == "profile_graph_tiny" and saved["roofline"]["measured"]["step_ms"] == report["unprofiled_step_ms"]
+
 def test_baseline_arms_run_and_record_graphs():
     spec = dict(config="tiny", batch_size=8, seq_len=128, warmup=3, steps=3)
     eager = run_arm(dict(spec, arm="eager"))

@@ -108,7 +108,8 @@ def test_kernel_family_names():
              "forward.router_rowdot_kernel": "MoE routing", "backward.combine_rows_kernel": "MoE routing",
              "forward.gather_rows_kernel": "MoE routing", "backward.routed_swiglu_backward_kernel": "norms and pointwise",
              "optimizer.adamw_multi_tensor_kernel": "optimizer", "optimizer.Memcpy HtoD (Pinned -> Device)": "optimizer",
-             "other.Memcpy HtoD (Pinned -> Device)": "other", "forward.some_new_kernel": "other", "adamw_multi_tensor_kernel": "optimizer"}
+             "other.Memcpy HtoD (Pinned -> Device)": "other", "forward.some_new_kernel": "other", "adamw_multi_tensor_kernel": "optimizer",
+             "graph.nvjet_sm90_tst_128x256": "GEMM", "graph.adamw_multi_tensor_kernel": "optimizer", "graph.Memcpy DtoH (Device -> Pageable)": "other"}
     assert {n: kernel_family(n) for n in cases} == cases
 
 def test_report_sums():
@@ -152,7 +153,7 @@ def test_recorded_roofline_matches_the_code():
         else: assert row["note"] == "not profiled on the GPU yet"
     json.dumps(recorded)
 
-def _fake_gpu_profile(tmp_path, monkeypatch, measure):
+def _fake_gpu_profile(tmp_path, monkeypatch, measure, flags=()):
     """Run `rtrainer profile` as on a GPU: the GPU's report faked from a CPU one, `measure` standing in for measure_ceilings;
     returns (report, what save_results was given)."""
     import rtrainer.profiling as profiling
@@ -163,24 +164,32 @@ def _fake_gpu_profile(tmp_path, monkeypatch, measure):
     monkeypatch.setattr(profiling, "_profile_report", lambda args: report)
     monkeypatch.setattr(profiling, "measure_ceilings", measure)
     monkeypatch.setattr(profiling, "save_results", lambda name, rows, **extra: saved.update(extra, name=name, rows=rows) or tmp_path / name)
-    assert main(["profile", "--config", "tiny", "--vocab-size", "512", "--out", str(tmp_path / "p.json")]) == 0
+    assert main(["profile", "--config", "tiny", "--vocab-size", "512", "--out", str(tmp_path / "p.json"), *flags]) == 0
     return report, saved
 
 def test_profile_command_records_the_roofline(tmp_path, monkeypatch):
     "On a GPU `rtrainer profile` records the roofline report, at the ceilings it measured once, beside the rows."
     ceilings = dict(gemm_tflops=500.0, copy_GBps=3000.0, source="made up")
     calls = []
-    report, saved = _fake_gpu_profile(tmp_path, monkeypatch, lambda device: calls.append(device) or ceilings)
-    assert calls == ["cuda"] and json.loads((tmp_path / "p.json").read_text())["ceilings"] == ceilings
+    report, saved = _fake_gpu_profile(tmp_path, monkeypatch, lambda device, sustained: calls.append((device, sustained)) or ceilings)
+    assert calls == [("cuda", False)] and json.loads((tmp_path / "p.json").read_text())["ceilings"] == ceilings
     roofline = saved["roofline"]
     assert saved["name"] == "profile_tiny" and roofline["measured"]["launch_gaps_ms"] == 0.5
     assert saved["ceilings"] == roofline["ceilings"] == ceilings
     assert roofline["floor_ms"] == pytest.approx(roofline_report(model_config("tiny", vocab_size=512), 2, 16, ceilings=ceilings)["floor_ms"])
     assert roofline["floor_ms"] > roofline_report(model_config("tiny", vocab_size=512), 2, 16)["floor_ms"]   # slower than the H200's
 
+def test_graph_profile_records_apart_at_sustained_ceilings(tmp_path, monkeypatch):
+    "`profile --cuda-graph` measures the ceilings back to back and records profile_graph_CONFIG, leaving profile_CONFIG alone."
+    ceilings = dict(gemm_tflops=600.0, copy_GBps=3000.0, source="made up")
+    calls = []
+    _, saved = _fake_gpu_profile(tmp_path, monkeypatch, lambda device, sustained: calls.append((device, sustained)) or ceilings,
+                                 flags=["--cuda-graph"])
+    assert calls == [("cuda", True)] and saved["name"] == "profile_graph_tiny" and saved["roofline"]["ceilings"] == ceilings
+
 def test_profile_keeps_the_profile_when_the_ceilings_run_out_of_memory(tmp_path, monkeypatch, capsys):
     "Out of memory while measuring the ceilings: one line on stderr, the rows recorded, the roofline at the H200's ceilings."
-    def out_of_memory(device): raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+    def out_of_memory(device, sustained): raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
     report, saved = _fake_gpu_profile(tmp_path, monkeypatch, out_of_memory)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "ran out of memory" in err[0], err
