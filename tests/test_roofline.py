@@ -153,6 +153,17 @@ def test_recorded_roofline_matches_the_code():
         else: assert row["note"] == "not profiled on the GPU yet"
     json.dumps(recorded)
 
+def test_recorded_graph_roofline_matches_the_code():
+    "data/results/roofline_graph.json: the floors the code computes at each profile_graph_CONFIG's ceilings, its measured step that profile's."
+    recorded = load_results("roofline_graph")
+    fresh = {r["config"]: r for r in roofline_suite(save=False, graph=True)}
+    assert [r["config"] for r in recorded["rows"]] == list(REFERENCE_BATCH)
+    for row in recorded["rows"]:
+        source = load_results(f"profile_graph_{row['config']}")
+        assert row["floor_ms"] == pytest.approx(fresh[row["config"]]["floor_ms"], rel=1e-12)
+        assert row["measured"]["profile"]["commit"] == source["commit"] and row["measured"]["step_ms"] == source["full_step_without_profiler_ms"]
+        assert "(sustained)" in row["ceilings"]["source"] and row["ceilings"] == source["ceilings"]
+
 def _fake_gpu_profile(tmp_path, monkeypatch, measure, flags=()):
     """Run `rtrainer profile` as on a GPU: the GPU's report faked from a CPU one, `measure` standing in for measure_ceilings;
     returns (report, what save_results was given)."""
