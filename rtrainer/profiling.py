@@ -218,6 +218,7 @@ def profile_graph_step(trainer, steps=GRAPH_PROFILE_STEPS, gaps=8):
     rows = [dict(name=GRAPH_PHASE + r["name"].removeprefix("other"), ms=r["ms"] / steps, calls=per_step(r["calls"]))
             for r in attribute_device_events([], {}, device_events)]
     idle_ms, largest = device_gaps(device_events, gaps)
+    for g in largest: g["phase"] = GRAPH_PHASE           # no phase ranges to place a gap in: it lies inside the graph's run
     kernel_sum = sum(r["ms"] for r in rows)
     return dict(method=f"CUDA kernels of {steps} CUDA-graph steps replayed back to back (torch.profiler), a step; CUDA events "
                        "around the steps", device=str(trainer.device), full_step_ms=full_ms, unprofiled_step_ms=unprofiled_ms,
@@ -973,7 +974,7 @@ def run_profile(args):
         report["ceilings"] = _measured_ceilings(report["device"], sustained=args.cuda_graph)
     print(profile_table(report, args.top))
     name = f"profile{'_graph' if args.cuda_graph else ''}_{args.config}"
-    out = Path(args.out or f"runs/{name.replace('_', '-', 1)}.json")
+    out = Path(args.out or f"runs/profile{'-graph' if args.cuda_graph else ''}-{args.config}.json")
     out.parent.mkdir(parents=True, exist_ok=True); out.write_text(json.dumps(report, indent=1))
     chart = profile_chart(report, out.with_suffix(".png"))
     print(f"report: {out}, chart: {chart}")

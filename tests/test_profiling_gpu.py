@@ -51,7 +51,7 @@ def test_graph_profile_is_the_replayed_step(tmp_path, monkeypatch):
     assert all(r["name"].startswith("graph.") and isinstance(r["calls"], int) and r["calls"] >= 1 for r in report["rows"])
     families = {kernel_family(r["name"]) for r in report["rows"]}
     assert {"GEMM", "attention", "optimizer", "norms and pointwise"} <= families, families
-    assert 0 < report["kernel_sum_ms"] and report["device_idle_ms"] >= 0
+    assert 0 < report["kernel_sum_ms"] and report["device_idle_ms"] >= 0 and all(g["phase"] == "graph" for g in report["largest_gaps"])
     assert report["kernel_sum_ms"] + report["device_idle_ms"] <= 1.02 * report["full_step_ms"]
     assert "(sustained)" in report["ceilings"]["source"] and 100 < report["ceilings"]["gemm_tflops"] < 1000
     assert saved["name"] == "profile_graph_tiny" and saved["roofline"]["measured"]["step_ms"] == report["unprofiled_step_ms"]

@@ -198,6 +198,17 @@ def test_graph_profile_records_apart_at_sustained_ceilings(tmp_path, monkeypatch
                                  flags=["--cuda-graph"])
     assert calls == [("cuda", True)] and saved["name"] == "profile_graph_tiny" and saved["roofline"]["ceilings"] == ceilings
 
+def test_profile_default_report_paths(tmp_path, monkeypatch):
+    "Without --out the report goes to runs/profile-CONFIG.json, or runs/profile-graph-CONFIG.json with --cuda-graph."
+    import rtrainer.profiling as profiling
+    from rtrainer.cli import main
+    monkeypatch.chdir(tmp_path)
+    report = dict(profile_step(profile_trainer("tiny", batch_size=2, seq_len=16, vocab_size=512)), config="tiny", batch_size=2, seq_len=16)
+    monkeypatch.setattr(profiling, "_profile_report", lambda args: report)
+    for flags, path in [([], "runs/profile-tiny_moe.json"), (["--cuda-graph"], "runs/profile-graph-tiny_moe.json")]:
+        assert main(["profile", "--config", "tiny_moe", *flags]) == 0
+        assert (tmp_path / path).exists() and (tmp_path / path).with_suffix(".png").exists(), path
+
 def test_profile_keeps_the_profile_when_the_ceilings_run_out_of_memory(tmp_path, monkeypatch, capsys):
     "Out of memory while measuring the ceilings: one line on stderr, the rows recorded, the roofline at the H200's ceilings."
     def out_of_memory(device, sustained): raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
