@@ -194,7 +194,8 @@ GRAPH_PHASE = "graph"      # the row prefix of a replayed step's kernels: a CUDA
 def profile_graph_step(trainer, steps=GRAPH_PROFILE_STEPS, gaps=8):
     """Report dict of the step as the default trainer runs it, replayed as one CUDA graph: after the eager warm-up and
     the capture, `steps` steps back to back timed with CUDA events, then `steps` more under torch.profiler (CUDA activity
-    only). Rows, sums and the device's idle time are per step; rows are 'graph.KERNEL'."""
+    only). Rows, sums and the device's idle time are per step; a replayed graph has no phases, so the run is one range
+    and rows are 'graph.KERNEL'."""
     captured = trainer.captured
     if trainer.device.type != "cuda" or captured is None or not captured.capture:
         raise ValueError(f"profile --cuda-graph: the step must be a CUDA graph on a GPU (this trainer: {trainer.device}, "
@@ -214,11 +215,10 @@ def profile_graph_step(trainer, steps=GRAPH_PROFILE_STEPS, gaps=8):
     if not device_events: raise RuntimeError("profile --cuda-graph: the profiler returned no device events")
     losses = [resolved(r)["loss"] for r in steps_run]
     if not all(math.isfinite(v) for v in losses): raise NonFiniteLoss(f"profile: non-finite loss in {losses}")
+    run = [(GRAPH_PHASE, min(e[3] for e in device_events), max(e[3] + e[2] for e in device_events))]   # one range: the whole run
     per_step = lambda n: n // steps if n % steps == 0 else round(n / steps, 2)
-    rows = [dict(name=GRAPH_PHASE + r["name"].removeprefix("other"), ms=r["ms"] / steps, calls=per_step(r["calls"]))
-            for r in attribute_device_events([], {}, device_events)]
-    idle_ms, largest = device_gaps(device_events, gaps)
-    for g in largest: g["phase"] = GRAPH_PHASE           # no phase ranges to place a gap in: it lies inside the graph's run
+    rows = [dict(r, ms=r["ms"] / steps, calls=per_step(r["calls"])) for r in attribute_device_events(run, {}, device_events)]
+    idle_ms, largest = device_gaps(device_events, gaps, run)
     kernel_sum = sum(r["ms"] for r in rows)
     return dict(method=f"CUDA kernels of {steps} CUDA-graph steps replayed back to back (torch.profiler), a step; CUDA events "
                        "around the steps", device=str(trainer.device), full_step_ms=full_ms, unprofiled_step_ms=unprofiled_ms,
@@ -934,10 +934,9 @@ def refuse_on_cpu(config, command, **overrides):
 
 def _profile_report(args):
     overrides = {"vocab_size": args.vocab_size} if getattr(args, "vocab_size", None) else {}
-    graph = getattr(args, "cuda_graph", False)
-    if graph and not torch.cuda.is_available(): raise ValueError("profile --cuda-graph needs a CUDA GPU: leave it out on a CPU")
-    trainer = profile_trainer(args.config, args.batch_size, args.seq_len, impl=args.impl, cuda_graph="on" if graph else "off", **overrides)
-    report = profile_graph_step(trainer) if graph else profile_step(trainer)
+    trainer = profile_trainer(args.config, args.batch_size, args.seq_len, impl=args.impl,   # "on": the trainer refuses a CPU
+                              cuda_graph="on" if args.cuda_graph else "off", **overrides)     # or the PyTorch ops itself
+    report = profile_graph_step(trainer) if args.cuda_graph else profile_step(trainer)
     meta = machine_metadata()
     meta["gpu"] = meta.pop("device")         # the report's `device` stays the torch device ("cuda", "cpu") the rest reads
     report.update(config=args.config, batch_size=trainer.cfg.batch_size, seq_len=trainer.cfg.seq_len, impl=trainer.model.impl, **meta)

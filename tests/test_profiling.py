@@ -36,7 +36,7 @@ def test_graph_profile_refused_on_a_cpu(capsys):
     from rtrainer.cli import main
     assert main(["profile", "--config", "tiny", "--cuda-graph", "--vocab-size", str(SMALL_VOCAB)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--cuda-graph needs a CUDA GPU" in err[0], err
+    assert len(err) == 1 and "--cuda-graph needs a CUDA device" in err[0], err
     with pytest.raises(ValueError, match="must be a CUDA graph on a GPU"):
         profile_graph_step(profile_trainer("tiny", batch_size=2, seq_len=16, vocab_size=SMALL_VOCAB))
 
